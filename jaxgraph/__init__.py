@@ -1,0 +1,22 @@
+"""jaxgraph: per-layer ahead-of-time capture and replay for JAX, with host hooks.
+
+A port of the partial-capture semantics of Transformer Engine's and PyTorch's
+`make_graphed_callables`: see docs/index.md.
+"""
+
+from jaxgraph.api import make_graphed
+from jaxgraph.graphed import GraphedCallable, Pullback, Stats, sequential_vjp
+from jaxgraph.hooks import HookEvent, Hooks, is_capturing
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GraphedCallable",
+    "HookEvent",
+    "Hooks",
+    "Pullback",
+    "Stats",
+    "is_capturing",
+    "make_graphed",
+    "sequential_vjp",
+]

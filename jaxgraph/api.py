@@ -1,0 +1,232 @@
+"""`make_graphed`: argument checks, building GraphedCallables, capture and warmup."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgraph import graphed as graphed_lib
+from jaxgraph import hooks as hooks_lib
+from jaxgraph import offload as offload_lib
+from jaxgraph import rng as rng_lib
+from jaxgraph import signature as sig_lib
+
+_ON_NEW_SIGNATURE = ("capture", "error")
+
+
+def _as_callables(fns: Callable[..., Any] | Sequence[Callable[..., Any]]
+                  ) -> tuple[list[Callable[..., Any]], bool]:
+  if callable(fns):
+    return [fns], True
+  if isinstance(fns, (str, bytes)) or not isinstance(fns, Sequence):
+    raise TypeError(f"make_graphed takes a callable or a sequence of callables, got "
+                    f"{type(fns).__name__}.")
+  fns = list(fns)
+  if not fns:
+    raise ValueError("make_graphed got an empty sequence of callables; pass at least one.")
+  for i, fn in enumerate(fns):
+    if not callable(fn):
+      raise TypeError(f"make_graphed: fns[{i}] is a {type(fn).__name__}, not a callable.")
+  return fns, False
+
+
+def _per_callable_args(sample_args: Any, count: int, single: bool) -> list[tuple[Any, ...]]:
+  if sample_args is None:
+    raise TypeError("make_graphed needs sample_args: per callable, a tuple of its positional "
+                    "arguments (arrays or jax.ShapeDtypeStruct).")
+  if single:
+    sample_args = [sample_args]
+  if not isinstance(sample_args, Sequence) or len(sample_args) != count:
+    got = len(sample_args) if isinstance(sample_args, Sequence) else type(sample_args).__name__
+    raise ValueError(f"make_graphed got {count} callables but sample_args has {got} entries; "
+                     "pass one tuple of positional arguments per callable.")
+  out = []
+  for i, args in enumerate(sample_args):
+    if not isinstance(args, (tuple, list)):
+      raise TypeError(f"sample_args[{i}] must be a tuple of positional arguments, got "
+                      f"{type(args).__name__}; for one argument write (x,).")
+    out.append(tuple(args))
+  return out
+
+
+def _per_callable_flags(value: bool | Sequence[bool], count: int, argument: str) -> list[bool]:
+  if isinstance(value, bool):
+    return [value] * count
+  flags = list(value)
+  if len(flags) != count or not all(isinstance(f, bool) for f in flags):
+    raise ValueError(f"{argument} takes a bool or one bool per callable ({count}), got {value!r}.")
+  return flags
+
+
+def _materialize(leaf: Any) -> Any:
+  """Concrete warmup data for a sample leaf: arrays as given, zeros for ShapeDtypeStructs."""
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    zeros = jnp.zeros(leaf.shape, leaf.dtype)
+    return zeros if leaf.sharding is None else jax.device_put(zeros, leaf.sharding)
+  return leaf
+
+
+def _abstract_tree(tree: Any) -> Any:
+  return jax.tree.map(lambda leaf: sig_lib.abstract(sig_lib.leaf_spec(leaf)), tree)
+
+
+def _ones_like(tree: Any) -> Any:
+  return jax.tree.map(lambda leaf: jnp.ones_like(leaf), tree)
+
+
+def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
+                 samples: Sequence[tuple[Any, ...]]) -> None:
+  """Capture phase: every forward in order, every backward in reverse, hooks around each."""
+  outputs = []
+  for layer, args in zip(layers, samples):
+    leaves, treedef = jax.tree.flatten(args)
+    signature = sig_lib.signature_of(leaves, treedef)
+    pre, post = layer._forward_hooks("capture")
+    event = hooks_lib.HookEvent(layer.index, "capture", 0, 0, _abstract_tree(args))
+    hooks_lib.fire(pre, "pre_forward", event, layer.name)
+    try:
+      entry = layer._entry(signature)
+    except Exception as e:
+      e.add_note(f"while capturing {layer.name} from sample_args[{layer.index}]")
+      raise
+    layout = entry.layout
+    out = jax.tree.unflatten(layout.out_treedef, layout.out_specs)
+    outputs.append(out)
+    hooks_lib.fire(post, "forward", hooks_lib.HookEvent(
+        layer.index, "capture", 0, 0, event.args, outputs=out), layer.name)
+  for layer, args, out in reversed(list(zip(layers, samples, outputs))):
+    pre, post = layer._backward_hooks("capture")
+    event = hooks_lib.HookEvent(layer.index, "capture", 0, 0, _abstract_tree(args),
+                                outputs=out, cotangents=out)
+    hooks_lib.fire(pre, "pre_backward", event, layer.name)
+    hooks_lib.fire(post, "backward", hooks_lib.HookEvent(
+        layer.index, "capture", 0, 0, event.args, outputs=out, cotangents=out,
+        grads=event.args), layer.name)
+
+
+def _warmup(layers: Sequence[graphed_lib.GraphedCallable], samples: Sequence[tuple[Any, ...]],
+            iterations: int, *, rng: bool, delay_wgrad: bool) -> None:
+  """Warmup phase: replays all forwards, then all backwards in reverse; results discarded."""
+  data = [jax.tree.map(_materialize, args) for args in samples]
+  base = rng_lib.warmup_base() if rng else None
+  for iteration in range(iterations):
+    stream = (base, jnp.uint32(iteration)) if rng else None
+    results = []
+    for layer, args in zip(layers, data):
+      leaves, treedef = jax.tree.flatten(args)
+      results.append(layer._forward(args, leaves, treedef, None, phase="warmup",
+                                    iteration=iteration, microbatch=0, with_pullback=True,
+                                    stream=stream))
+    for out, pullback in reversed(results):
+      pullback(_ones_like(out))
+      if delay_wgrad:
+        pullback.wgrad()
+  jax.block_until_ready(results)
+
+
+def make_graphed(
+    fns: Callable[..., Any] | Sequence[Callable[..., Any]],
+    hooks: hooks_lib.Hooks | Sequence[hooks_lib.Hooks | None] | None = None,
+    *,
+    sample_args: Any,
+    capture_time_hooks: hooks_lib.Hooks | Sequence[hooks_lib.Hooks | None] | None = None,
+    num_warmup_iters: int = 3,
+    pre_warmup_hook: Callable[[], None] | None = None,
+    post_warmup_hook: Callable[[], None] | None = None,
+    rng: bool | jax.Array = False,
+    delay_wgrad: bool = False,
+    wgrad_argnums: Sequence[int] = (0,),
+    offload_residuals: bool | Sequence[bool] = False,
+    max_captures: int = 8,
+    on_new_signature: graphed_lib.OnNewSignature = "capture",
+) -> graphed_lib.GraphedCallable | tuple[graphed_lib.GraphedCallable, ...]:
+  """Captures per-layer functions into ahead-of-time compiled forward/backward executables.
+
+  Each distinct (function, input signature) is traced once and compiled into a forward and a
+  backward executable (dgrad + wgrad with `delay_wgrad`); identical callables share them.
+  Then every callable is warmed up `num_warmup_iters` times. Hooks run on the host.
+
+  Args:
+    fns: a callable, or a sequence of callables (one per layer). Each is a pure function of
+      its positional arguments (and `key=` when `rng` is set) returning a pytree of arrays.
+    hooks: replay-time hooks (`jaxgraph.Hooks`, one for all, or one per callable); they fire
+      in warmup, capture and every replay.
+    sample_args: per callable, a tuple of its positional arguments (arrays or
+      `jax.ShapeDtypeStruct`s); for a single callable, just that tuple.
+    capture_time_hooks: hooks that fire in warmup and capture only, never on replay
+      (Transformer Engine's `capture_time_hooks`).
+    num_warmup_iters: warmup iterations after capture (all forwards, then all backwards in
+      reverse); their results are discarded and no key stream advances.
+    pre_warmup_hook: called once (not per callable) before the whole warmup, no arguments.
+    post_warmup_hook: called once after the whole warmup, no arguments.
+    rng: True to thread PRNG keys: each function takes `key=`; False for none; or a typed key
+      to seed every callable's stream (True seeds with `jax.random.key(0)`).
+    delay_wgrad: split each backward into dgrad (returned by the pullback) and wgrad
+      (`pullback.wgrad()`), as separate executables.
+    wgrad_argnums: the positional arguments that are weights (for `delay_wgrad`).
+    offload_residuals: keep forward residuals in pinned host memory until the backward; a bool
+      or one bool per callable.
+    max_captures: signatures captured per callable; after that, calls with new signatures
+      run through `jax.jit` (one warning).
+    on_new_signature: "capture" (up to `max_captures`) or "error" (raise on any signature
+      that was not captured from `sample_args`).
+
+  Returns:
+    One `GraphedCallable` for a single callable, else a tuple of them.
+  """
+  fn_list, single = _as_callables(fns)
+  count = len(fn_list)
+  samples = _per_callable_args(sample_args, count, single)
+  if not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
+    raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}.")
+  if not isinstance(max_captures, int) or max_captures < 1:
+    raise ValueError(f"max_captures must be an int >= 1, got {max_captures!r}.")
+  if on_new_signature not in _ON_NEW_SIGNATURE:
+    raise ValueError(f"on_new_signature must be one of {_ON_NEW_SIGNATURE}, got "
+                     f"{on_new_signature!r}.")
+  for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
+    if hook is not None and not callable(hook):
+      raise TypeError(f"{name} must be a callable taking no arguments, got {hook!r}.")
+  if isinstance(rng, bool):
+    seed = jax.random.key(0) if rng else None
+  else:
+    rng_lib.check_key(rng, "make_graphed(rng=...)")
+    seed = rng
+  wgrad_argnums = tuple(wgrad_argnums)
+  if not all(isinstance(i, int) and i >= 0 for i in wgrad_argnums):
+    raise ValueError(f"wgrad_argnums must be non-negative ints, got {wgrad_argnums!r}.")
+  for i, args in enumerate(samples):
+    if delay_wgrad and any(argnum >= len(args) for argnum in wgrad_argnums):
+      raise ValueError(f"wgrad_argnums={wgrad_argnums} but sample_args[{i}] has only "
+                       f"{len(args)} positional arguments.")
+    leaves, treedef = jax.tree.flatten(args)
+    try:
+      sig_lib.signature_of(leaves, treedef)
+    except TypeError as e:
+      raise TypeError(f"sample_args[{i}]: {e}") from None
+  offload = _per_callable_flags(offload_residuals, count, "offload_residuals")
+  if any(offload):
+    offload_lib.check_backend_supports_offload()
+  replay_hooks = hooks_lib.per_callable(hooks, count, "hooks")
+  capture_hooks = hooks_lib.per_callable(capture_time_hooks, count, "capture_time_hooks")
+
+  config = graphed_lib.Config(rng=seed is not None, delay_wgrad=delay_wgrad,
+                              wgrad_argnums=wgrad_argnums, max_captures=max_captures,
+                              on_new_signature=on_new_signature)
+  layers = [graphed_lib.GraphedCallable(fn, i, config, hooks=replay_hooks[i],
+                                        capture_time_hooks=capture_hooks[i], offload=offload[i])
+            for i, fn in enumerate(fn_list)]
+  if seed is not None:
+    for layer in layers:
+      layer.seed(seed)
+  with hooks_lib.capturing():
+    _capture_all(layers, samples)
+    if pre_warmup_hook is not None:
+      pre_warmup_hook()
+    _warmup(layers, samples, num_warmup_iters, rng=config.rng, delay_wgrad=delay_wgrad)
+    if post_warmup_hook is not None:
+      post_warmup_hook()
+  return layers[0] if single else tuple(layers)

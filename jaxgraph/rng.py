@@ -1,0 +1,90 @@
+"""PRNG keys: validation, per-callable streams, and detection of keys frozen into executables."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+
+# Warmup draws from its own stream so that no user-visible stream advances before step 0.
+_WARMUP_SEED = 0x5EED
+
+
+def is_key(x: Any) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def check_key(key: Any, owner: str) -> None:
+  """Typed keys only: a legacy `uint32[2]` key gets an error that names the fix."""
+  if is_key(key):
+    if key.shape != ():
+      raise TypeError(f"{owner} takes one key (shape ()), got a key array of shape {key.shape}; "
+                      "index or split it first.")
+    return
+  shape = getattr(key, "shape", None)
+  dtype = getattr(key, "dtype", None)
+  if shape == (2,) and dtype == np.uint32:
+    raise TypeError(f"{owner} got a raw uint32[2] key (jax.random.PRNGKey). jaxgraph takes "
+                    "typed keys: use jax.random.key(seed), or wrap the old one with "
+                    "jax.random.wrap_key_data(key).")
+  raise TypeError(f"{owner} takes key= a typed PRNG key (jax.random.key), got {key!r}.")
+
+
+def derive_key(base: jax.Array, index: jax.Array, counter: jax.Array) -> jax.Array:
+  """The key of one replay in a stream; traced inside the forward executable."""
+  return jax.random.fold_in(jax.random.fold_in(base, index), counter)
+
+
+def stream_key(index: int, counter: int, base: jax.Array) -> jax.Array:
+  """The key the stream of callable `index` uses at `counter` (for references and docs)."""
+  return derive_key(base, jnp.uint32(index), jnp.uint32(counter))
+
+
+def key_spec() -> jax.ShapeDtypeStruct:
+  key = jax.random.key(0)
+  return jax.ShapeDtypeStruct(key.shape, key.dtype)
+
+
+def warmup_base() -> jax.Array:
+  return jax.random.key(_WARMUP_SEED)
+
+
+def _subjaxprs(eqn: Any) -> Iterator[Any]:
+  for value in eqn.params.values():
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for item in items:
+      if isinstance(item, (jex.core.Jaxpr, jex.core.ClosedJaxpr)):
+        yield item
+
+
+def constant_keys(closed: Any) -> list[str]:
+  """Descriptions of keys that are constants of a traced function (a frozen dropout mask).
+
+  Finds key-typed constants (a key closed over by the function) and `random_seed` of a
+  constant (`jax.random.key(0)` inside the function), also inside nested jaxprs.
+  """
+  found: list[str] = []
+
+  def visit(jaxpr: Any) -> None:
+    if isinstance(jaxpr, jex.core.ClosedJaxpr):
+      found.extend(f"a closed-over key constant {c.dtype}{list(c.shape)}"
+                   for c in jaxpr.consts if is_key(c))
+      jaxpr = jaxpr.jaxpr
+    constvars = set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+      for var in eqn.invars:
+        if isinstance(var, jex.core.Literal) and is_key(var.val):
+          found.append(f"a key literal used by {eqn.primitive}")
+      if eqn.primitive.name in ("random_seed", "random_wrap"):
+        source = eqn.invars[0]
+        if isinstance(source, jex.core.Literal) or source in constvars:
+          found.append(f"{eqn.primitive.name} of a constant (jax.random.key(<constant>) "
+                       "inside the function)")
+      for sub in _subjaxprs(eqn):
+        visit(sub)
+
+  visit(closed)
+  return found

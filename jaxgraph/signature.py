@@ -1,0 +1,106 @@
+"""Abstract input signatures: what an executable was compiled for, and readable diffs."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Sharding, SingleDeviceSharding
+
+
+class LeafSpec(NamedTuple):
+  """What one input leaf must look like for an executable to accept it."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  weak_type: bool
+  # None means "uncommitted on the default device"; anything else is matched exactly.
+  sharding: Sharding | None
+
+
+class Signature(NamedTuple):
+  """A pytree structure plus one `LeafSpec` per leaf. Hashable: it keys executable caches."""
+
+  treedef: Any
+  leaves: tuple[LeafSpec, ...]
+
+
+_default_shardings: set[Sharding] = set()
+
+
+def _sharding_key(sharding: Sharding | None) -> Sharding | None:
+  if sharding is None:
+    return None
+  if not _default_shardings:
+    device = jax.devices()[0]
+    _default_shardings.update(
+        {SingleDeviceSharding(device), SingleDeviceSharding(device, memory_kind="device")})
+  return None if sharding in _default_shardings else sharding
+
+
+def leaf_spec(leaf: Any) -> LeafSpec:
+  """The `LeafSpec` of an array, a NumPy array, a Python scalar or a `jax.ShapeDtypeStruct`.
+
+  Raises:
+    TypeError: for anything that is not an array (strings, objects, ...).
+  """
+  if isinstance(leaf, jax.Array):
+    return LeafSpec(leaf.shape, leaf.dtype, leaf.weak_type, _sharding_key(leaf.sharding))
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return LeafSpec(leaf.shape, leaf.dtype, bool(leaf.weak_type), _sharding_key(leaf.sharding))
+  try:
+    aval = jax.typeof(leaf)
+  except TypeError as e:
+    raise TypeError(f"{type(leaf).__name__} is not an array") from e
+  return LeafSpec(aval.shape, aval.dtype, aval.weak_type, None)
+
+
+def signature_of(leaves: Sequence[Any], treedef: Any) -> Signature:
+  """The signature of already-flattened leaves (`TypeError` names the first non-array leaf)."""
+  try:
+    return Signature(treedef, tuple(map(leaf_spec, leaves)))
+  except TypeError:
+    for path, leaf in zip(leaf_paths(treedef), leaves):
+      try:
+        leaf_spec(leaf)
+      except TypeError as e:
+        raise TypeError(
+            f"argument {path} is a {type(leaf).__name__}, not an array: every leaf of the "
+            "arguments must be a jax.Array, a NumPy array, a Python scalar or a "
+            "jax.ShapeDtypeStruct. Bind non-array arguments with functools.partial before "
+            "calling make_graphed.") from e
+    raise
+
+
+def abstract(spec: LeafSpec) -> jax.ShapeDtypeStruct:
+  """A `jax.ShapeDtypeStruct` to lower an executable for `spec`."""
+  return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=spec.sharding,
+                              weak_type=spec.weak_type)
+
+
+def leaf_paths(treedef: Any, prefix: str = "args") -> list[str]:
+  """Readable paths (`args[1]['w']`) of the leaves of an argument tuple."""
+  dummy = jax.tree.unflatten(treedef, range(treedef.num_leaves))
+  return [prefix + jax.tree_util.keystr(path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+
+def format_spec(spec: LeafSpec) -> str:
+  text = f"{spec.dtype}[{','.join(map(str, spec.shape))}]"
+  if spec.weak_type:
+    text += " (weakly typed: a Python scalar)"
+  if spec.sharding is not None:
+    text += f" with sharding {spec.sharding}"
+  return text
+
+
+def describe_mismatch(expected: Signature, got: Signature, prefix: str = "args") -> str:
+  """Lines saying where `got` differs from `expected`: argument path, expected vs. got."""
+  if expected.treedef != got.treedef:
+    return (f"{prefix} has a different pytree structure: expected {expected.treedef}, "
+            f"got {got.treedef}")
+  lines = [f"{path}: expected {format_spec(e)}, got {format_spec(g)}"
+           for path, e, g in zip(leaf_paths(got.treedef, prefix), expected.leaves, got.leaves)
+           if e != g]
+  return "\n".join(lines)
