@@ -4,6 +4,7 @@ A port of the partial-capture semantics of Transformer Engine's and PyTorch's
 `make_graphed_callables`: see docs/index.md.
 """
 
+from jaxgraph import fsdp
 from jaxgraph.api import make_graphed
 from jaxgraph.graphed import GraphedCallable, Pullback, Stats, sequential_vjp
 from jaxgraph.hooks import HookEvent, Hooks, is_capturing
@@ -16,6 +17,7 @@ __all__ = [
     "Hooks",
     "Pullback",
     "Stats",
+    "fsdp",
     "is_capturing",
     "make_graphed",
     "sequential_vjp",

@@ -112,6 +112,7 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable], samples: Sequence[tup
   """Warmup phase: replays all forwards, then all backwards in reverse; results discarded."""
   data = [jax.tree.map(_materialize, args) for args in samples]
   base = rng_lib.warmup_base() if rng else None
+  grads = []
   for iteration in range(iterations):
     stream = (base, jnp.uint32(iteration)) if rng else None
     results = []
@@ -121,10 +122,10 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable], samples: Sequence[tup
                                     iteration=iteration, microbatch=0, with_pullback=True,
                                     stream=stream))
     for out, pullback in reversed(results):
-      pullback(_ones_like(out))
+      grads.append(pullback(_ones_like(out)))
       if delay_wgrad:
-        pullback.wgrad()
-  jax.block_until_ready(results)
+        grads.append(pullback.wgrad())
+  jax.block_until_ready(grads)
 
 
 def make_graphed(

@@ -204,7 +204,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
     rng: whether `fn` takes `key=`; then both forwards (explicit key, per-callable stream)
       are compiled.
     backward: which backward executables to build: ("full", leaves) or ("dgrad", leaves)
-      and ("wgrad", leaves); the last one listed receives the residuals as donated buffers.
+      and ("wgrad", leaves); the last one listed receives the residuals as donated buffers
+      (device residuals only).
     offload: write the kept residuals to pinned host memory, read them back in the backward.
     name: the callable's name, for errors.
   """
@@ -234,11 +235,19 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
                + list(out_info[layout.n_out:])
                + [out_info[i] for i in layout.ct_leaves])
   first_kept = len(layout.needed_inputs) + len(layout.needed_outputs)
-  donate = tuple(range(first_kept, first_kept + layout.n_kept))
+  # Offloaded residuals are host buffers: donating them frees no device memory, and XLA would
+  # alias them to device outputs (the result then has the wrong memory kind and aborts).
+  donate = () if offload else tuple(range(first_kept, first_kept + layout.n_kept))
   compiled_backward = {}
   for position, (kind, select) in enumerate(backward):
     last = position == len(backward) - 1
-    bwd = jax.jit(_backward_fn(layout, select, offload), donate_argnums=donate if last else ())
+    # Each gradient comes back with its input's sharding (FSDP: reduce-scattered weight
+    # grads); None (an uncommitted input) leaves the choice to XLA, as before.
+    grad_shardings = [signature.leaves[leaf].sharding for leaf in select]
+    placed = ({"out_shardings": grad_shardings}
+              if any(s is not None for s in grad_shardings) else {})
+    bwd = jax.jit(_backward_fn(layout, select, offload), donate_argnums=donate if last else (),
+                  **placed)
     compiled_backward[kind] = (timer.compile(bwd.trace(*bwd_specs)), select)
   return Executables(signature=signature, layout=layout, forward=forward,
                      backward=compiled_backward, closed_jaxpr=closed, offload=offload,

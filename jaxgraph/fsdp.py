@@ -1,0 +1,142 @@
+"""FSDP by sharding constraints: weights live sharded, each layer gathers its own.
+
+Parameters are placed sharded along one mesh axis (`shard`). A layer function un-shards them
+with `gather` (a sharding constraint to replicated: an all-gather inside the layer's
+executable), so only the running layer's weights are ever gathered. `remat` wraps the layer
+in a `jax.checkpoint` policy that saves activations only: the forward's residuals hold the
+sharded weights it was given (no copy) and never the gathered ones; the backward executable
+gathers again. The gradients come back with the weights' sharding: jaxgraph compiles each
+backward with the signature's shardings as output shardings (a reduce-scatter on GPU; on CPU
+XLA emits all-reduce + dynamic-slice instead, see docs/fsdp.md).
+
+  mesh = jg.fsdp.make_mesh()
+  params = jg.fsdp.shard(params, mesh)
+  layer = jg.fsdp.remat(lambda p, x: block(jg.fsdp.gather(p, mesh), x))
+  layers = jg.make_graphed([layer] * n, sample_args=[(p, x) for p in params])
+
+The same program runs over the devices of several processes after
+`jax.distributed.initialize()`: the mesh spans `jax.devices()`, every process runs the
+same layers, and XLA inserts the cross-process collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+# Leaves with fewer elements than this stay replicated: sharding a bias or a norm scale saves
+# no memory worth a collective, and gathering it costs one more collective per layer.
+MIN_SHARD_SIZE = 1024
+
+
+def make_mesh(axis: str = "fsdp", devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A one-axis mesh over `devices` (default: `jax.devices()`, every process's devices).
+
+  The axis is `AxisType.Auto` (`jax.make_mesh` defaults to Explicit), so sharding
+  constraints inside layer functions work without `jax.set_mesh`.
+  """
+  devices = jax.devices() if devices is None else list(devices)
+  if not devices:
+    raise ValueError("make_mesh got no devices; pass a non-empty sequence or None.")
+  return jax.make_mesh((len(devices),), (axis,), axis_types=(AxisType.Auto,), devices=devices)
+
+
+def partition_spec(shape: Sequence[int], axis_size: int, axis: str = "fsdp", *,
+                   min_size: int = MIN_SHARD_SIZE) -> PartitionSpec:
+  """Where one leaf is sharded: its largest dimension divisible by `axis_size`.
+
+  Ties go to the first such dimension. A leaf with fewer than `min_size` elements, or with
+  no dimension divisible by `axis_size`, is replicated (`PartitionSpec()`).
+  """
+  size = int(np.prod(shape, dtype=np.int64))
+  candidates = [d for d, n in enumerate(shape) if n % axis_size == 0 and n >= axis_size]
+  if size < min_size or not candidates:
+    return PartitionSpec()
+  dim = max(candidates, key=lambda d: (shape[d], -d))
+  return PartitionSpec(*[axis if d == dim else None for d in range(len(shape))])
+
+
+def _axis_size(mesh: Mesh, axis: str) -> int:
+  if axis not in mesh.shape:
+    raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not {axis!r}; pass axis= one of "
+                     "them, or build the mesh with jg.fsdp.make_mesh(axis).")
+  return mesh.shape[axis]
+
+
+def shardings(tree: Any, mesh: Mesh, axis: str = "fsdp", *,
+              min_size: int = MIN_SHARD_SIZE) -> Any:
+  """The `NamedSharding` of every leaf of `tree` (arrays or `jax.ShapeDtypeStruct`s).
+
+  Use it for `jax.jit(..., in_shardings=..., out_shardings=...)` of steps that take the
+  params, e.g. the optimizer update.
+  """
+  n = _axis_size(mesh, axis)
+  return jax.tree.map(
+      lambda leaf: NamedSharding(mesh, partition_spec(np.shape(leaf), n, axis, min_size=min_size)),
+      tree)
+
+
+def shard(tree: Any, mesh: Mesh, axis: str = "fsdp", *, min_size: int = MIN_SHARD_SIZE) -> Any:
+  """Places every leaf of `tree` sharded along `axis` (rule: `partition_spec`).
+
+  With several processes each process passes the same full values (e.g. from the same seed)
+  and keeps only its shards.
+  """
+  specs = shardings(tree, mesh, axis, min_size=min_size)
+  if jax.process_count() == 1:
+    return jax.device_put(tree, specs)
+  return jax.tree.map(
+      lambda leaf, s: jax.make_array_from_callback(np.shape(leaf), s,
+                                                   lambda index: np.asarray(leaf)[index]),
+      tree, specs)
+
+
+def batch_sharding(mesh: Mesh, axis: str = "fsdp") -> NamedSharding:
+  """Data parallel over the FSDP axis: the leading (batch) dimension split along `axis`."""
+  _axis_size(mesh, axis)
+  return NamedSharding(mesh, PartitionSpec(axis))
+
+
+def gather(tree: Any, mesh: Mesh | None = None) -> Any:
+  """Un-shards `tree` inside a layer function: every leaf constrained to replicated.
+
+  Inside a jaxgraph executable this is an all-gather of the layer's weights. Call it on the
+  params at the top of the layer, wrapped in `remat`, so no gathered weight is a residual.
+
+  Args:
+    tree: the layer's (sharded) params.
+    mesh: the FSDP mesh; None uses the mesh set by `jax.set_mesh`.
+  """
+  if mesh is None:
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+      raise ValueError("jg.fsdp.gather needs a mesh: pass gather(params, mesh), or build and "
+                       "call the layers under `with jax.set_mesh(mesh):`.")
+    replicated: NamedSharding | PartitionSpec = PartitionSpec()
+  else:
+    replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, replicated), tree)
+
+
+def remat(fn: Callable[..., Any], policy: Callable[..., bool] | None = None
+          ) -> Callable[..., Any]:
+  """`fn` under `jax.checkpoint` with a policy that keeps gathered weights out of residuals.
+
+  The default policy, `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`, saves the
+  outputs of matmuls (the activations) and recomputes the rest in the backward: the gather
+  (re-run from the sharded weights, which the backward already receives), elementwise ops,
+  and attention's batched matmuls. A matmul whose output is weight-sized (a product of two
+  weights) would be saved too; for full control tag activations with
+  `jax.ad_checkpoint.checkpoint_name` and pass
+  `policy=jax.checkpoint_policies.save_only_these_names(...)`, or save nothing with
+  `jax.checkpoint_policies.nothing_saveable`.
+
+  Wrap once and pass the same function for every layer (`[remat(block)] * n`): identical
+  callables with one signature share one compile.
+  """
+  if policy is None:
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  return jax.checkpoint(fn, policy=policy)

@@ -1,0 +1,66 @@
+"""Small layer functions and the plain-JAX reference the graphed results are compared with."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+  return x + jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def attention(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+  """Single-head causal self-attention with a residual, on (T, D) inputs."""
+  q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+  logits = (q @ k.T).astype(jnp.float32) / jnp.sqrt(jnp.float32(q.shape[-1]))
+  mask = jnp.tril(jnp.ones(logits.shape, bool))
+  weights = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1).astype(x.dtype)
+  return x + (weights @ v) @ p["wo"]
+
+
+def dropout_mlp(p: dict[str, jax.Array], x: jax.Array, *, key: jax.Array) -> jax.Array:
+  h = jnp.tanh(x @ p["w1"] + p["b1"])
+  keep = jax.random.bernoulli(key, 0.8, h.shape)
+  return x + jnp.where(keep, h / 0.8, 0).astype(h.dtype) @ p["w2"]
+
+
+def init_mlp(key: jax.Array, d: int, h: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  k1, k2 = jax.random.split(key)
+  return dict(w1=(jax.random.normal(k1, (d, h)) / d ** 0.5).astype(dtype),
+              b1=jnp.zeros((h,), dtype),
+              w2=(jax.random.normal(k2, (h, d)) / h ** 0.5).astype(dtype))
+
+
+def init_attention(key: jax.Array, d: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  ks = jax.random.split(key, 4)
+  return {name: (jax.random.normal(k, (d, d)) / d ** 0.5).astype(dtype)
+          for name, k in zip(("wq", "wk", "wv", "wo"), ks)}
+
+
+def reference_stack(fns: Sequence[Callable[..., Any]], params: Sequence[Any], x: jax.Array,
+                    ct: jax.Array, keys: Sequence[jax.Array] | None = None):
+  """Forward and backward through `jax.vjp` under plain `jax.jit`, one layer at a time."""
+  fwd = jax.jit(lambda f, p, x, k: jax.vjp(lambda p, x: f(p, x, key=k) if k is not None
+                                           else f(p, x), p, x), static_argnums=0)
+  bwd = jax.jit(lambda v, g: v(g))
+  pullbacks = []
+  for i, (f, p) in enumerate(zip(fns, params)):
+    x, v = fwd(f, p, x, None if keys is None else keys[i])
+    pullbacks.append(v)
+  y, grads = x, [None] * len(fns)
+  for i in reversed(range(len(fns))):
+    grads[i], ct = bwd(pullbacks[i], ct)
+  return y, grads, ct
+
+
+def trees_equal(a: Any, b: Any) -> bool:
+  """Bitwise equality of two pytrees of arrays (same structure, same bits)."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  return ta == tb and all(
+      x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))
+      for x, y in zip(la, lb))

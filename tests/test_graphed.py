@@ -1,0 +1,248 @@
+"""Core capture and replay: numerics, compile counts, signatures, pullbacks, tracers."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgraph as jg
+from models import (attention, init_attention, init_mlp, mlp, reference_stack, trees_equal)
+
+D, H, T = 16, 32, 8
+
+
+def _stack(dtype, depth=4):
+  keys = jax.random.split(jax.random.key(0), depth)
+  fns = [mlp if i % 2 == 0 else attention for i in range(depth)]
+  params = [init_mlp(k, D, H, dtype) if f is mlp else init_attention(k, D, dtype)
+            for f, k in zip(fns, keys)]
+  x = jax.random.normal(jax.random.key(1), (T, D)).astype(dtype)
+  return fns, params, x
+
+
+def _sgd(params, grads, lr=0.01):
+  return jax.tree.map(lambda p, g: (p - lr * g).astype(p.dtype), params, grads)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_training_matches_jit_vjp_bitwise(dtype):
+  fns, params, x = _stack(dtype)
+  layers = jg.make_graphed(fns, sample_args=[(p, x) for p in params])
+  ref_params = params
+  for _ in range(3):
+    y, pullback = jg.sequential_vjp(layers, params, x)
+    ct = (y / y.size).astype(dtype)
+    grads, g_x = pullback(ct)
+    y_ref, grads_ref, g_x_ref = reference_stack(fns, ref_params, x, ct)
+    assert trees_equal(y, y_ref)
+    assert trees_equal(g_x, g_x_ref)
+    assert trees_equal(grads, grads_ref)
+    params = [_sgd(p, g) for p, g in zip(params, grads)]
+    ref_params = [_sgd(p, g) for p, g in zip(ref_params, grads_ref)]
+  assert trees_equal(params, ref_params)
+
+
+def test_identical_layers_compile_once():
+  traces = 0
+
+  def layer(p, x):
+    nonlocal traces
+    traces += 1
+    return mlp(p, x)
+
+  params = [init_mlp(k, D, H) for k in jax.random.split(jax.random.key(0), 12)]
+  x = jnp.ones((T, D))
+  layers = jg.make_graphed([layer] * 12, sample_args=[(p, x) for p in params],
+                           num_warmup_iters=2)
+  assert traces == 1
+  assert sum(l.stats.captures for l in layers) == 1
+  assert sum(l.stats.cache_hits for l in layers) == 11
+  compiles = sum(l.stats.compiles for l in layers)
+  assert compiles == 2  # one forward, one backward
+  for _ in range(3):
+    y, pullback = jg.sequential_vjp(layers, params, x)
+    pullback(jnp.ones_like(y))
+  assert traces == 1, "replay must not retrace"
+  assert sum(l.stats.compiles for l in layers) == compiles, "replay must not recompile"
+  assert [l.stats.replays for l in layers] == [3] * 12
+  assert [l.stats.backward_replays for l in layers] == [3] * 12
+
+
+def test_call_replays_forward_only():
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0)
+  assert isinstance(g, jg.GraphedCallable)
+  assert trees_equal(g(params, x), jax.jit(mlp)(params, x))
+  assert g.stats.replays == 1
+
+
+def test_residuals_do_not_reemit_inputs():
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0)
+  (entry,) = g._entries.values()
+  layout = entry.layout
+  kinds = {kind for kind, _ in layout.sources}
+  assert "in" in kinds  # the weights and x are read from the inputs...
+  n_outputs = len(entry.forward["explicit"].out_info)
+  assert n_outputs == layout.n_out + layout.n_kept  # ...and never returned again
+  input_shapes = {s.shape for s in entry.signature.leaves}
+  kept_shapes = [o.shape for o in entry.forward["explicit"].out_info[layout.n_out:]]
+  assert all(shape not in input_shapes or shape == (T, D) for shape in kept_shapes)
+
+
+def test_grads_for_every_positional_arg_and_float0_for_ints():
+  def f(p, x, n):
+    return p["w"] * x * n.astype(jnp.float32)
+
+  p, x, n = {"w": jnp.float32(2.0)}, jnp.arange(3.0), jnp.arange(3)
+  g = jg.make_graphed(f, sample_args=(p, x, n), num_warmup_iters=1)
+  y, pullback = g.vjp(p, x, n)
+  grads = pullback(jnp.ones(3))
+  y_ref, vjp_ref = jax.vjp(f, p, x, n)
+  grads_ref = vjp_ref(jnp.ones(3))
+  assert trees_equal(y, y_ref)
+  assert trees_equal(grads[:2], grads_ref[:2])
+  assert grads[2].dtype == jax.dtypes.float0 and grads[2].shape == (3,)
+
+
+def test_pullback_is_one_shot():
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0)
+  y, pullback = g.vjp(params, x)
+  pullback(jnp.ones_like(y))
+  with pytest.raises(RuntimeError, match=r"mlp\[0\].*already called"):
+    pullback(jnp.ones_like(y))
+
+
+@pytest.mark.parametrize("bad_ct, match", [
+    (lambda y: jnp.ones((T + 1, D)), r"cotangents: expected float32\[8, 16\], got float32\[9, 16\]"),
+    (lambda y: jnp.ones_like(y, jnp.bfloat16), r"expected float32\[8, 16\], got bfloat16"),
+    (lambda y: (y, y), r"structure"),
+])
+def test_foreign_cotangent_is_rejected(bad_ct, match):
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0)
+  y, pullback = g.vjp(params, x)
+  with pytest.raises(TypeError, match=match):
+    pullback(bad_ct(y))
+  # A rejected cotangent does not consume the pullback.
+  grads = pullback(jnp.ones_like(y))
+  assert grads[1].shape == x.shape
+
+
+def _error_callable():
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0,
+                      on_new_signature="error")
+  return g, params, x
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda p, x: (p, jnp.ones((T, D + 1))),
+     r"mlp\[0\].*\n.*args\[1\]: expected float32\[8,16\], got float32\[8,17\]"),
+    (lambda p, x: (p, x.astype(jnp.bfloat16)),
+     r"args\[1\]: expected float32\[8,16\], got bfloat16\[8,16\]"),
+    (lambda p, x: ({**p, "extra": x}, x), r"different pytree structure"),
+    (lambda p, x: (dict(p, b1=1.0), x), r"args\[0\]\['b1'\]: expected float32\[32\], got "
+                                        r"float32\[\] \(weakly typed"),
+])
+def test_new_signature_error_names_path(change, match):
+  g, params, x = _error_callable()
+  with pytest.raises(TypeError, match=match):
+    g.vjp(*change(params, x))
+  assert g.stats.captures == 1
+
+
+def test_new_sharding_is_a_new_signature():
+  devices = jax.devices()
+  assert len(devices) >= 2, "conftest sets 8 virtual CPU devices"
+  g, params, x = _error_callable()
+  moved = jax.device_put(x, devices[1])
+  with pytest.raises(TypeError, match=r"args\[1\]: .*with sharding SingleDeviceSharding"):
+    g(params, moved)
+
+
+def test_new_signature_captured_then_fallback_with_one_warning():
+  params = init_mlp(jax.random.key(0), D, H)
+  g = jg.make_graphed(mlp, sample_args=(params, jnp.ones((T, D))), num_warmup_iters=0,
+                      max_captures=2)
+  g(params, jnp.ones((T + 1, D)))
+  assert g.stats.captures == 2
+  with pytest.warns(UserWarning, match="max_captures=2"):
+    y = g(params, jnp.ones((T + 2, D)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    y, pullback = g.vjp(params, jnp.ones((T + 3, D)))  # no second warning
+    grads = pullback(jnp.ones_like(y))
+  y_ref, vjp_ref = jax.vjp(jax.jit(mlp), params, jnp.ones((T + 3, D)))
+  assert trees_equal(y, y_ref) and trees_equal(grads, vjp_ref(jnp.ones_like(y_ref)))
+  assert g.stats.fallbacks == 2 and g.stats.captures == 2
+
+
+def test_shape_dtype_struct_sample_args():
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+  g = jg.make_graphed(mlp, sample_args=abstract, on_new_signature="error")
+  y, pullback = g.vjp(params, x)
+  y_ref, vjp_ref = jax.jit(lambda p, x: jax.vjp(mlp, p, x))(params, x)
+  assert trees_equal(y, y_ref)
+  assert trees_equal(pullback(jnp.ones_like(y)), jax.jit(lambda v, g: v(g))(vjp_ref, jnp.ones_like(y)))
+
+
+def test_jax_grad_through_graphed_layers_matches_pullback():
+  fns, params, x = _stack(jnp.float32)
+  layers = jg.make_graphed(fns, sample_args=[(p, x) for p in params], num_warmup_iters=0)
+
+  def loss(params):
+    h = x
+    for layer, p in zip(layers, params):
+      h = layer(p, h)
+    return jnp.sum(h ** 2)
+
+  grads_traced = jax.jit(jax.grad(loss))(params)
+  y, pullback = jg.sequential_vjp(layers, params, x)
+  grads, _ = pullback(2 * y)
+  assert trees_equal(grads_traced, grads) or all(
+      np.allclose(a, b, rtol=1e-6, atol=1e-6)  # one fused executable may reassociate sums
+      for a, b in zip(jax.tree.leaves(grads_traced), jax.tree.leaves(grads)))
+  assert [l.stats.replays for l in layers] == [1] * 4  # traced calls are not replays
+  batched = jax.vmap(layers[0], in_axes=(None, 0))(params[0], jnp.stack([x, x]))
+  assert trees_equal(batched[0], layers[0](params[0], x))
+
+
+def test_reset_drops_executables_and_recaptures():
+  traces = 0
+
+  def layer(p, x):
+    nonlocal traces
+    traces += 1
+    return mlp(p, x)
+
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(layer, sample_args=(params, x), num_warmup_iters=0)
+  g.reset()
+  assert g._entries == {} and g._config.cache == {}
+  y = g(params, x)
+  assert traces == 2 and g.stats.captures == 2
+  assert trees_equal(y, jax.jit(mlp)(params, x))
+
+
+def test_keyword_arguments_are_rejected():
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0)
+  with pytest.raises(TypeError, match="keyword arguments.*positionally"):
+    g(params, x=x)
+  with pytest.raises(TypeError, match="rng=False"):
+    g(params, x, key=jax.random.key(0))
