@@ -321,9 +321,14 @@ class GraphedCallable:
     with config.lock:
       entry = config.cache.get(cache_key)
       if entry is None:
-        entry = capture_lib.capture(
-            self.fn, signature, rng=config.rng, backward=_backward_plan(config, signature),
-            offload=self._offload, name=self.name)
+        try:
+          entry = capture_lib.capture(
+              self.fn, signature, rng=config.rng, backward=_backward_plan(config, signature),
+              offload=self._offload, name=self.name)
+        except Exception as e:
+          e.add_note(f"while capturing {self.name} for a new input signature: "
+                     f"{sig_lib.describe(signature)}")
+          raise
         config.cache[cache_key] = entry
         self._own.add(cache_key)
         self._captures += 1
@@ -428,8 +433,9 @@ class GraphedCallable:
       return (_assemble(entry, values, select, dgrad_argnums),
               lambda: _assemble(entry, run("wgrad", cts), wgrad_select, argnums))
 
-    if not with_pullback:
-      return (out,)
+    if not any(self._backward_hooks(event.phase)):
+      # Without backward hooks nobody reads the args again: don't keep them alive.
+      event = hooks_lib.HookEvent(event.index, event.phase, event.iteration, event.microbatch, ())
     return out, Pullback(self, event, backward)
 
   def _cotangent_error(self, entry: capture_lib.Executables, cts: list[Any]) -> TypeError:
