@@ -5,6 +5,7 @@ A port of the partial-capture semantics of Transformer Engine's and PyTorch's
 """
 
 from jaxgraph import fsdp
+from jaxgraph import schedule
 from jaxgraph.api import make_graphed
 from jaxgraph.graphed import GraphedCallable, Pullback, Stats, sequential_vjp
 from jaxgraph.hooks import HookEvent, Hooks, is_capturing

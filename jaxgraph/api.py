@@ -12,6 +12,7 @@ from jaxgraph import graphed as graphed_lib
 from jaxgraph import hooks as hooks_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import rng as rng_lib
+from jaxgraph import schedule as schedule_lib
 from jaxgraph import signature as sig_lib
 
 _ON_NEW_SIGNATURE = ("capture", "error")
@@ -52,6 +53,42 @@ def _per_callable_args(sample_args: Any, count: int, single: bool) -> list[tuple
   return out
 
 
+# Without `order`: one chunk holding every layer, one microbatch.
+_NO_ORDER = schedule_lib.parse_order([1, -1])
+
+
+def _pipeline_args(sample_args: Any, single: bool, sizes: Sequence[int], microbatches: int
+                   ) -> tuple[list[tuple[Any, ...]], list[list[tuple[Any, ...]]]]:
+  """With `order`: the sample_args as given (flat) and per layer, per microbatch.
+
+  Takes one tuple per layer (every microbatch uses it) or Transformer Engine's one tuple per
+  (chunk, microbatch, layer), chunk-major; both are the same for one microbatch.
+  """
+  layers = sum(sizes)
+  if single:
+    return _per_callable_args(sample_args, 1, True), [[tuple(sample_args)] * microbatches]
+  entries = len(sample_args) if isinstance(sample_args, Sequence) else None
+  if entries not in (layers, layers * microbatches):
+    got = entries if entries is not None else type(sample_args).__name__
+    raise ValueError(
+        f"with order=..., sample_args takes one tuple per layer ({layers}) or, as Transformer "
+        f"Engine, one per (chunk, microbatch, layer) ({layers} * {microbatches} = "
+        f"{layers * microbatches}), but got {got}.")
+  flat = _per_callable_args(sample_args, entries, False)
+  if entries == layers:
+    return flat, [[args] * microbatches for args in flat]
+  per_microbatch: list[list[tuple[Any, ...]]] = []
+  position = 0
+  for size in sizes:
+    rows: list[list[tuple[Any, ...]]] = [[] for _ in range(size)]
+    for _ in range(microbatches):
+      for row in rows:
+        row.append(flat[position])
+        position += 1
+    per_microbatch.extend(rows)
+  return flat, per_microbatch
+
+
 def _per_callable_flags(value: bool | Sequence[bool], count: int, argument: str) -> list[bool]:
   if isinstance(value, bool):
     return [value] * count
@@ -78,54 +115,71 @@ def _ones_like(tree: Any) -> Any:
 
 
 def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
-                 samples: Sequence[tuple[Any, ...]]) -> None:
-  """Capture phase: every forward in order, every backward in reverse, hooks around each."""
-  outputs = []
-  for layer, args in zip(layers, samples):
-    leaves, treedef = jax.tree.flatten(args)
-    signature = sig_lib.signature_of(leaves, treedef)
-    pre, post = layer._forward_hooks("capture")
-    event = hooks_lib.HookEvent(layer.index, "capture", 0, 0, _abstract_tree(args))
-    hooks_lib.fire(pre, "pre_forward", event, layer.name)
-    try:
-      entry = layer._entry(signature)
-    except Exception as e:
-      e.add_note(f"while capturing {layer.name} from sample_args[{layer.index}]")
-      raise
-    layout = entry.layout
-    out = jax.tree.unflatten(layout.out_treedef, layout.out_specs)
-    outputs.append(out)
-    hooks_lib.fire(post, "forward", hooks_lib.HookEvent(
-        layer.index, "capture", 0, 0, event.args, outputs=out), layer.name)
-  for layer, args, out in reversed(list(zip(layers, samples, outputs))):
-    pre, post = layer._backward_hooks("capture")
-    event = hooks_lib.HookEvent(layer.index, "capture", 0, 0, _abstract_tree(args),
-                                outputs=out, cotangents=out)
-    hooks_lib.fire(pre, "pre_backward", event, layer.name)
-    hooks_lib.fire(post, "backward", hooks_lib.HookEvent(
-        layer.index, "capture", 0, 0, event.args, outputs=out, cotangents=out,
-        grads=event.args), layer.name)
+                 samples: Sequence[Sequence[tuple[Any, ...]]], plan: schedule_lib.Plan,
+                 sizes: Sequence[int]) -> None:
+  """Capture phase, in the order of `plan` (without `order`: every forward in order, every
+  backward in reverse), hooks around each; `samples[i][m]` are the args of layer i at
+  microbatch m. Wgrad entries fire no hooks (Transformer Engine's rule)."""
+  outputs = {}
+  for kind, i, m in schedule_lib.layer_steps(plan, sizes):
+    layer, args = layers[i], samples[i][m]
+    if kind == "forward":
+      leaves, treedef = jax.tree.flatten(args)
+      signature = sig_lib.signature_of(leaves, treedef)
+      pre, post = layer._forward_hooks("capture")
+      event = hooks_lib.HookEvent(layer.index, "capture", 0, m, _abstract_tree(args))
+      hooks_lib.fire(pre, "pre_forward", event, layer.name)
+      try:
+        entry = layer._entry(signature)
+      except Exception as e:
+        e.add_note(f"while capturing {layer.name} from sample_args[{layer.index}]")
+        raise
+      layout = entry.layout
+      out = jax.tree.unflatten(layout.out_treedef, layout.out_specs)
+      outputs[i, m] = (event.args, out)
+      hooks_lib.fire(post, "forward", hooks_lib.HookEvent(
+          layer.index, "capture", 0, m, event.args, outputs=out), layer.name)
+    elif kind == "backward":
+      abstract_args, out = outputs.pop((i, m))
+      pre, post = layer._backward_hooks("capture")
+      event = hooks_lib.HookEvent(layer.index, "capture", 0, m, abstract_args,
+                                  outputs=out, cotangents=out)
+      hooks_lib.fire(pre, "pre_backward", event, layer.name)
+      hooks_lib.fire(post, "backward", hooks_lib.HookEvent(
+          layer.index, "capture", 0, m, abstract_args, outputs=out, cotangents=out,
+          grads=abstract_args), layer.name)
 
 
-def _warmup(layers: Sequence[graphed_lib.GraphedCallable], samples: Sequence[tuple[Any, ...]],
-            iterations: int, *, rng: bool, delay_wgrad: bool) -> None:
-  """Warmup phase: replays all forwards, then all backwards in reverse; results discarded."""
-  data = [jax.tree.map(_materialize, args) for args in samples]
+def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
+            samples: Sequence[Sequence[tuple[Any, ...]]], plan: schedule_lib.Plan,
+            sizes: Sequence[int], iterations: int, *, rng: bool, delay_wgrad: bool) -> None:
+  """Warmup phase: replays the order of `plan` exactly (without `order`: all forwards, then
+  all backwards in reverse); a wgrad without its own order entry runs right after its
+  backward. Results are discarded."""
+  materialized: dict[int, Any] = {}  # one-per-layer sample_args repeat across microbatches
+  data = [[materialized.setdefault(id(args), jax.tree.map(_materialize, args)) for args in row]
+          for row in samples]
   base = rng_lib.warmup_base() if rng else None
-  grads = []
+  results = []
   for iteration in range(iterations):
     stream = (base, jnp.uint32(iteration)) if rng else None
-    results = []
-    for layer, args in zip(layers, data):
-      leaves, treedef = jax.tree.flatten(args)
-      results.append(layer._forward(args, leaves, treedef, None, phase="warmup",
-                                    iteration=iteration, microbatch=0, with_pullback=True,
-                                    stream=stream))
-    for out, pullback in reversed(results):
-      grads.append(pullback(_ones_like(out)))
-      if delay_wgrad:
-        grads.append(pullback.wgrad())
-  jax.block_until_ready(grads)
+    pending = {}
+    for kind, i, m in schedule_lib.layer_steps(plan, sizes):
+      layer, args = layers[i], data[i][m]
+      if kind == "forward":
+        leaves, treedef = jax.tree.flatten(args)
+        pending[i, m] = layer._forward(args, leaves, treedef, None, phase="warmup",
+                                       iteration=iteration, microbatch=m, with_pullback=True,
+                                       stream=stream)
+        results.append(pending[i, m][0])
+      elif kind == "backward":
+        out, pullback = pending[i, m] if plan.has_wgrad else pending.pop((i, m))
+        results.append(pullback(_ones_like(out)))
+        if delay_wgrad and not plan.has_wgrad:
+          results.append(pullback.wgrad())
+      else:
+        results.append(pending.pop((i, m))[1].wgrad())
+  jax.block_until_ready(results)
 
 
 def make_graphed(
@@ -138,6 +192,8 @@ def make_graphed(
     pre_warmup_hook: Callable[[], None] | None = None,
     post_warmup_hook: Callable[[], None] | None = None,
     rng: bool | jax.Array = False,
+    order: Sequence[float] | None = None,
+    num_layers_per_chunk: int | Sequence[int] | None = None,
     delay_wgrad: bool = False,
     wgrad_argnums: Sequence[int] = (0,),
     offload_residuals: bool | Sequence[bool] = False,
@@ -156,15 +212,24 @@ def make_graphed(
     hooks: replay-time hooks (`jaxgraph.Hooks`, one for all, or one per callable); they fire
       in warmup, capture and every replay.
     sample_args: per callable, a tuple of its positional arguments (arrays or
-      `jax.ShapeDtypeStruct`s); for a single callable, just that tuple.
+      `jax.ShapeDtypeStruct`s); for a single callable, just that tuple. With `order`, also
+      Transformer Engine's form: one tuple per (chunk, microbatch, layer), chunk-major.
     capture_time_hooks: hooks that fire in warmup and capture only, never on replay
       (Transformer Engine's `capture_time_hooks`).
     num_warmup_iters: warmup iterations after capture (all forwards, then all backwards in
-      reverse); their results are discarded and no key stream advances.
+      reverse; with `order`, exactly the order); their results are discarded and no key
+      stream advances.
     pre_warmup_hook: called once (not per callable) before the whole warmup, no arguments.
     post_warmup_hook: called once after the whole warmup, no arguments.
     rng: True to thread PRNG keys: each function takes `key=`; False for none; or a typed key
       to seed every callable's stream (True seeds with `jax.random.key(0)`).
+    order: a pipeline schedule (Transformer Engine's `_order`, docs/pipeline.md): `c` runs
+      the forwards of chunk c (1-based) for its next microbatch, `-c` their backwards (layers
+      reversed), `-c - 0.5` their deferred wgrads (`delay_wgrad`). The callables are the
+      layers of chunk 1, then chunk 2, ...; warmup and capture follow the order, and hooks
+      report each microbatch. Executables are still shared across microbatches.
+    num_layers_per_chunk: with `order`, the layers of each chunk: an int, or one int per
+      chunk for uneven pipelines; None splits the callables evenly.
     delay_wgrad: split each backward into dgrad (returned by the pullback) and wgrad
       (`pullback.wgrad()`), as separate executables.
     wgrad_argnums: the positional arguments that are weights (for `delay_wgrad`).
@@ -180,10 +245,22 @@ def make_graphed(
   """
   fn_list, single = _as_callables(fns)
   count = len(fn_list)
-  samples = _per_callable_args(sample_args, count, single)
-  if not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
+  if not isinstance(delay_wgrad, bool):
+    raise TypeError(f"delay_wgrad must be a bool, got {delay_wgrad!r}.")
+  if order is None:
+    if num_layers_per_chunk is not None:
+      raise ValueError("num_layers_per_chunk only applies with order=[...]; drop it, or pass "
+                       "the pipeline order.")
+    samples = _per_callable_args(sample_args, count, single)
+    plan, sizes, per_microbatch = _NO_ORDER, (count,), [[args] for args in samples]
+  else:
+    plan = schedule_lib.parse_order(order, delay_wgrad=delay_wgrad)
+    sizes = schedule_lib.layers_per_chunk(num_layers_per_chunk, plan.num_chunks, count)
+    samples, per_microbatch = _pipeline_args(sample_args, single, sizes, plan.num_microbatches)
+  if (isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int)
+      or num_warmup_iters < 0):
     raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}.")
-  if not isinstance(max_captures, int) or max_captures < 1:
+  if isinstance(max_captures, bool) or not isinstance(max_captures, int) or max_captures < 1:
     raise ValueError(f"max_captures must be an int >= 1, got {max_captures!r}.")
   if on_new_signature not in _ON_NEW_SIGNATURE:
     raise ValueError(f"on_new_signature must be one of {_ON_NEW_SIGNATURE}, got "
@@ -196,6 +273,9 @@ def make_graphed(
   else:
     rng_lib.check_key(rng, "make_graphed(rng=...)")
     seed = rng
+  if not isinstance(wgrad_argnums, Sequence):
+    raise TypeError(f"wgrad_argnums must be a sequence of ints, e.g. (0,), got "
+                    f"{wgrad_argnums!r}.")
   wgrad_argnums = tuple(wgrad_argnums)
   if not all(isinstance(i, int) and i >= 0 for i in wgrad_argnums):
     raise ValueError(f"wgrad_argnums must be non-negative ints, got {wgrad_argnums!r}.")
@@ -224,10 +304,11 @@ def make_graphed(
     for layer in layers:
       layer.seed(seed)
   with hooks_lib.capturing():
-    _capture_all(layers, samples)
+    _capture_all(layers, per_microbatch, plan, sizes)
     if pre_warmup_hook is not None:
       pre_warmup_hook()
-    _warmup(layers, samples, num_warmup_iters, rng=config.rng, delay_wgrad=delay_wgrad)
+    _warmup(layers, per_microbatch, plan, sizes, num_warmup_iters, rng=config.rng,
+            delay_wgrad=delay_wgrad)
     if post_warmup_hook is not None:
       post_warmup_hook()
   return layers[0] if single else tuple(layers)

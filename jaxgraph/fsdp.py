@@ -49,14 +49,17 @@ def partition_spec(shape: Sequence[int], axis_size: int, axis: str = "fsdp", *,
   """Where one leaf is sharded: its largest dimension divisible by `axis_size`.
 
   Ties go to the first such dimension. A leaf with fewer than `min_size` elements, or with
-  no dimension divisible by `axis_size`, is replicated (`PartitionSpec()`).
+  no dimension divisible by `axis_size`, is replicated (`PartitionSpec()`). The spec has no
+  trailing Nones (`P("fsdp")`, not `P("fsdp", None)`), the form XLA gives its outputs.
   """
   size = int(np.prod(shape, dtype=np.int64))
   candidates = [d for d, n in enumerate(shape) if n % axis_size == 0 and n >= axis_size]
   if size < min_size or not candidates:
     return PartitionSpec()
   dim = max(candidates, key=lambda d: (shape[d], -d))
-  return PartitionSpec(*[axis if d == dim else None for d in range(len(shape))])
+  # No trailing Nones: XLA reports propagated shardings that way, and NamedShardings with
+  # P("fsdp", None) and P("fsdp") compare unequal (they would be two signatures).
+  return PartitionSpec(*[None] * dim, axis)
 
 
 def _axis_size(mesh: Mesh, axis: str) -> int:
@@ -82,16 +85,10 @@ def shardings(tree: Any, mesh: Mesh, axis: str = "fsdp", *,
 def shard(tree: Any, mesh: Mesh, axis: str = "fsdp", *, min_size: int = MIN_SHARD_SIZE) -> Any:
   """Places every leaf of `tree` sharded along `axis` (rule: `partition_spec`).
 
-  With several processes each process passes the same full values (e.g. from the same seed)
-  and keeps only its shards.
+  With several processes (`jax.distributed.initialize`) every process passes the same full
+  values (e.g. from the same seed) and keeps only the shards of its own devices.
   """
-  specs = shardings(tree, mesh, axis, min_size=min_size)
-  if jax.process_count() == 1:
-    return jax.device_put(tree, specs)
-  return jax.tree.map(
-      lambda leaf, s: jax.make_array_from_callback(np.shape(leaf), s,
-                                                   lambda index: np.asarray(leaf)[index]),
-      tree, specs)
+  return jax.device_put(tree, shardings(tree, mesh, axis, min_size=min_size))
 
 
 def batch_sharding(mesh: Mesh, axis: str = "fsdp") -> NamedSharding:

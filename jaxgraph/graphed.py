@@ -115,16 +115,17 @@ class Pullback:
           f"this pullback of {owner.name} was already called: a pullback replays its backward "
           f"once (its residuals are released). Call {owner.name}.vjp(...) again for a new one.")
     hooks = owner._backward_hooks(event.phase)
-    if hooks[0]:
-      hooks_lib.fire(hooks[0], "pre_backward",
-                     dataclasses.replace(event, cotangents=cotangents), owner.name)
-    grads, self._wgrad = self._backward(cotangents)
-    self._state, self._backward = "done", None
-    if event.phase == "replay":
-      owner._backward_replays += 1
-    if hooks[1]:
-      hooks_lib.fire(hooks[1], "backward",
-                     dataclasses.replace(event, cotangents=cotangents, grads=grads), owner.name)
+    with owner._exclusive():  # a backward is a use of its callable: not concurrent with others
+      if hooks[0]:
+        hooks_lib.fire(hooks[0], "pre_backward",
+                       dataclasses.replace(event, cotangents=cotangents), owner.name)
+      grads, self._wgrad = self._backward(cotangents)
+      self._state, self._backward = "done", None
+      if event.phase == "replay":
+        owner._backward_replays += 1
+      if hooks[1]:
+        hooks_lib.fire(hooks[1], "backward",
+                       dataclasses.replace(event, cotangents=cotangents, grads=grads), owner.name)
     return grads
 
   def wgrad(self) -> tuple[Any, ...]:
@@ -139,9 +140,11 @@ class Pullback:
     if self._wgrad is None:
       raise RuntimeError(f"{name} was built without delay_wgrad=True, so its pullback "
                          "already returned every gradient; there is no deferred wgrad.")
-    run, self._wgrad = self._wgrad, None
-    self._state = "wgrad_done"
-    return run()
+    with self._owner._exclusive():
+      grads = self._wgrad()
+    # Consumed only once it ran: a failed wgrad (e.g. donated weights) raises the same again.
+    self._wgrad, self._state = None, "wgrad_done"
+    return grads
 
 
 class GraphedCallable:
@@ -405,7 +408,7 @@ class GraphedCallable:
       exe, _ = entry.backward[kind]
       try:
         return exe(*needed_inputs, *needed_outputs, *kept, *cts)
-      except RuntimeError as e:
+      except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
         if any(getattr(x, "is_deleted", lambda: False)() for x in needed_inputs + needed_outputs):
           raise RuntimeError(
               f"the backward of {owner.name} needs arrays from its forward that were deleted "
@@ -454,19 +457,24 @@ class GraphedCallable:
 
   def _fallback_forward(self, args: tuple[Any, ...], key: Any, with_pullback: bool,
                         event: hooks_lib.HookEvent) -> Any:
-    self._fallbacks += 1
     jitted = self._fallback
+    from_stream = self._config.rng and key is None
     if self._config.rng:
-      if key is None:
+      if from_stream:
         key = rng_lib.derive_key(self._base_key, self._index_array, self._counter)
-        self._counter = self._counter + jnp.uint32(1)
       fn = lambda *a: jitted(*a, key=key)
     else:
       fn = jitted
     if not with_pullback:
-      return (fn(*args),)
-    out, vjp_fn = jax.vjp(fn, *args)
-    return out, Pullback(self, event, lambda ct: (vjp_fn(ct), None))
+      result = (fn(*args),)
+    else:
+      out, vjp_fn = jax.vjp(fn, *args)
+      result = out, Pullback(self, event, lambda ct: (vjp_fn(ct), None))
+    # Counted (and the stream advanced) only once the call succeeded.
+    self._fallbacks += 1
+    if from_stream:
+      self._counter = self._counter + jnp.uint32(1)
+    return result
 
 
 class _Release:
@@ -487,11 +495,27 @@ class SequentialPullback:
 
   def __init__(self, pullbacks: list[Pullback]):
     self._pullbacks = pullbacks
+    self._failed_at: int | None = None
+    self._called = False
 
   def __call__(self, cotangent: Any) -> tuple[list[Any], Any]:
+    if self._failed_at is not None:
+      raise RuntimeError(
+          f"this sequential_vjp pullback failed part-way, in the backward of layers"
+          f"[{self._failed_at}] (the layers after it already ran theirs); it cannot be resumed. "
+          "Run sequential_vjp again for a new one.")
+    if self._called:
+      raise RuntimeError("this sequential_vjp pullback was already called: it replays every "
+                         "layer's backward once. Run sequential_vjp again for a new one.")
     grads: list[Any] = [None] * len(self._pullbacks)
     for i in reversed(range(len(self._pullbacks))):
-      grads[i], cotangent = self._pullbacks[i](cotangent)
+      try:
+        grads[i], cotangent = self._pullbacks[i](cotangent)
+      except BaseException:
+        if i < len(self._pullbacks) - 1 or self._pullbacks[i]._state != "ready":
+          self._failed_at = i
+        raise
+    self._called = True
     return grads, cotangent
 
   def wgrad(self) -> list[Any]:
@@ -517,6 +541,10 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     raise ValueError(f"sequential_vjp got {len(layers)} layers but {len(params_list)} params.")
   if keys is not None and len(keys) != len(layers):
     raise ValueError(f"sequential_vjp got {len(layers)} layers but {len(keys)} keys.")
+  for i, layer in enumerate(layers):
+    if not isinstance(layer, GraphedCallable):
+      raise TypeError(f"sequential_vjp: layers[{i}] is a {type(layer).__name__}, not a "
+                      "GraphedCallable; build the stack with jaxgraph.make_graphed.")
   pullbacks = []
   for i, (layer, params) in enumerate(zip(layers, params_list)):
     if keys is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import threading
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 Phase = Literal["warmup", "capture", "replay"]
@@ -102,6 +103,11 @@ def per_callable(hooks: Hooks | Sequence[Hooks | None] | None, count: int,
   if isinstance(hooks, dict):
     raise TypeError(f"{argument} takes jaxgraph.Hooks (or a sequence of them, one per "
                     f"callable), not a dict: write Hooks(pre_forward=[...], forward=[...]).")
+  if not isinstance(hooks, Sequence) or isinstance(hooks, str):
+    hint = (" For a single hook function write Hooks(pre_forward=[fn])."
+            if callable(hooks) else "")
+    raise TypeError(f"{argument} takes jaxgraph.Hooks (or a sequence of them, one per "
+                    f"callable), got {type(hooks).__name__}.{hint}")
   hooks = tuple(hooks)
   if len(hooks) != count:
     raise ValueError(f"{argument} has {len(hooks)} entries but there are {count} callables; "
@@ -132,20 +138,21 @@ def fire(hooks: tuple[Hook, ...], kind: HookKind, event: HookEvent, owner: str) 
                       "cannot replace arguments or results).")
 
 
-_capture_depth = 0
+# Per thread: a thread replaying while another one runs make_graphed is not capturing.
+_capture_state = threading.local()
 
 
 def is_capturing() -> bool:
-  """True while `make_graphed` warms up or captures; False otherwise, also after an error."""
-  return _capture_depth > 0
+  """True while `make_graphed` warms up or captures in this thread; False otherwise, also
+  after an error."""
+  return getattr(_capture_state, "depth", 0) > 0
 
 
 @contextlib.contextmanager
 def capturing() -> Iterator[None]:
   """Marks warmup and capture for `is_capturing`; always unset on exit, error or not."""
-  global _capture_depth
-  _capture_depth += 1
+  _capture_state.depth = getattr(_capture_state, "depth", 0) + 1
   try:
     yield
   finally:
-    _capture_depth -= 1
+    _capture_state.depth -= 1

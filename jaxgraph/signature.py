@@ -95,6 +95,13 @@ def format_spec(spec: LeafSpec) -> str:
   return text
 
 
+def describe(signature: Signature, prefix: str = "args") -> str:
+  """One line: every leaf's path and spec (`args[0]['w']: float32[4,4], args[1]: ...`)."""
+  specs = [f"{path}: {format_spec(spec)}"
+           for path, spec in zip(leaf_paths(signature.treedef, prefix), signature.leaves)]
+  return ", ".join(specs) or f"{prefix}: no array leaves"
+
+
 def describe_mismatch(expected: Signature, got: Signature, prefix: str = "args") -> str:
   """Lines saying where `got` differs from `expected`: argument path, expected vs. got."""
   if expected.treedef != got.treedef:

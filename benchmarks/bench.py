@@ -1,0 +1,477 @@
+"""jaxgraph against whole-step `jax.jit` and `torch.cuda.make_graphed_callables`.
+
+One 12-layer GPT block stack (`gpt.py`; bf16, dropout, forward + backward + SGD), run side by
+side in one process per framework, timings interleaved across variants (`--reps` rounds of
+`--iters` steps each; median and spread). Then, in fresh processes, each variant is built
+once more alone for its cold capture time and peak device memory, and the capture of 1 layer,
+12 layers, and 12 layers again from a warm persistent compilation cache. Prints a table,
+writes `bench.json` and `bench.png` to `--out`.
+
+  PYTHONPATH=. python3 benchmarks/bench.py --sizes small medium --out /tmp/bench
+  PYTHONPATH=. python3 benchmarks/bench.py --tiny --out /tmp/bench   # CPU smoke run, seconds
+
+Variants (step = forward + loss gradient + backward + SGD update):
+  jaxgraph            make_graphed([block] * L, rng=True) + sequential_vjp; keys from each
+                      layer's own stream (folded in inside the forward executables)
+  jaxgraph-keys       the same, with explicit keys (one executable splits them per step)
+  jaxgraph-hooks      the same as jaxgraph, with a no-op pre_forward and backward replay hook
+                      on every layer
+  jaxgraph-nodropout  rng=False, no dropout
+  jaxgraph-fused      make_graphed of one callable running all L blocks: one forward and one
+                      backward executable (what boundary fusion of hook-free layers would give)
+  jaxgraph-raw        jaxgraph's own executables called from a bare loop, no jaxgraph Python
+                      (a diagnostic: the floor of per-layer replay; jaxgraph minus this is its
+                      Python overhead)
+  jaxgraph-raw-own    the same, with a loaded copy of the executables per layer (a diagnostic:
+                      XLA's command buffers are re-recorded when an executable's buffer
+                      addresses change, as they do when 12 layers share one executable)
+  jit-unrolled        one jax.jit of the whole step, layers unrolled
+  jit-scan            one jax.jit of the whole step, layers in lax.scan
+  torch-eager, torch-graphed (torch.cuda.make_graphed_callables), when torch sees a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+# Every process of the benchmark shares one GPU: no process may reserve most of its memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import serialize_executable  # noqa: E402
+
+import gpt  # noqa: E402
+import jaxgraph as jg  # noqa: E402
+
+JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
+                "jaxgraph-fused", "jaxgraph-raw", "jaxgraph-raw-own", "jit-unrolled", "jit-scan")
+TORCH_VARIANTS = ("torch-eager", "torch-graphed")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclasses.dataclass
+class Variant:
+  """A training step ready to run: `state = step(state)`."""
+
+  name: str
+  step: Callable[[Any], Any]
+  state: Any
+  capture_s: float
+  executables: int  # executables replayed per step
+  layers: Any = None  # the GraphedCallables, for their stats
+
+
+def _compile(fn: Callable[..., Any], *args: Any, donate: tuple[int, ...] = ()) -> Any:
+  return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+
+
+def _noop(event: jg.HookEvent) -> None:
+  del event
+
+
+def build(name: str, size: gpt.Size, attention: str | None, layers: int | None = None
+          ) -> Variant:
+  """Builds one variant from nothing (parameters, capture or compile, first step)."""
+  count = layers or size.layers
+  block = gpt.make_block(size.heads, attention)
+  params = gpt.init_params(dataclasses.replace(size, layers=count))
+  x0 = gpt.init_input(size)
+  jax.block_until_ready((params, x0))
+  start = time.perf_counter()
+  if name.startswith("jit-"):
+    variant = _build_jit(name, block, params, x0, count)
+  else:
+    variant = _build_jaxgraph(name, block, params, x0, count)
+  variant.state = variant.step(variant.state)
+  jax.block_until_ready(variant.state)
+  variant.capture_s = time.perf_counter() - start
+  return variant
+
+
+def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0: jax.Array,
+                    count: int) -> Variant:
+  rng = name != "jaxgraph-nodropout"
+  head = _compile(jax.grad(gpt.loss), x0)
+  update = _compile(gpt.sgd, params, params, donate=(0,))
+  if name == "jaxgraph-fused":
+    def stack(ps: list[Any], x: jax.Array, *, key: jax.Array) -> jax.Array:
+      for p, k in zip(ps, jax.random.split(key, len(ps))):
+        x = block(p, x, key=k)
+      return x
+
+    fused = jg.make_graphed(stack, sample_args=(params, x0), rng=True)
+
+    def fused_step(ps: list[Any]) -> list[Any]:
+      y, pullback = fused.vjp(ps, x0)
+      grads, _ = pullback(head(y))
+      return update(ps, grads)
+
+    return Variant(name, fused_step, params, 0.0, executables=4, layers=(fused,))
+  hooks = jg.Hooks(pre_forward=[_noop], backward=[_noop]) if name == "jaxgraph-hooks" else None
+  if name.startswith("jaxgraph-raw"):
+    layers = jg.make_graphed([block] * count, sample_args=[(p, x0) for p in params], rng=True)
+    return _raw(name, layers, params, x0, head, update)
+  layers = jg.make_graphed([block] * count, hooks, sample_args=[(p, x0) for p in params],
+                           rng=rng)
+  if name == "jaxgraph-keys":
+    base = jax.random.key(2)
+    split = _compile(lambda s: (tuple(jax.random.split(jax.random.fold_in(base, s), count)),
+                                s + 1), jnp.int32(0))
+
+    def keys_step(state: tuple[list[Any], jax.Array]) -> tuple[list[Any], jax.Array]:
+      ps, s = state
+      keys, s = split(s)
+      y, pullback = jg.sequential_vjp(layers, ps, x0, keys=keys)
+      grads, _ = pullback(head(y))
+      return update(ps, grads), s
+
+    return Variant(name, keys_step, (params, jnp.int32(0)), 0.0, executables=2 * count + 3,
+                   layers=layers)
+
+  def step(ps: list[Any]) -> list[Any]:
+    y, pullback = jg.sequential_vjp(layers, ps, x0)
+    grads, _ = pullback(head(y))
+    return update(ps, grads)
+
+  return Variant(name, step, params, 0.0, executables=2 * count + 2, layers=layers)
+
+
+def _load_copy(compiled: Any) -> Any:
+  return serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
+
+
+def _raw(name: str, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x0: jax.Array,
+         head: Any, update: Any) -> Variant:
+  """Replays the executables `layers` captured with no jaxgraph code in the loop."""
+  [entry] = layers[0]._entries.values()  # one signature, shared by every layer
+  layout = entry.layout
+  backward, select = entry.backward["full"]
+  assert select == tuple(range(layout.n_args)), "every argument leaf takes a gradient"
+  forwards = [entry.forward["stream"]] * len(layers)
+  backwards = [backward] * len(layers)
+  if name == "jaxgraph-raw-own":
+    forwards = [_load_copy(entry.forward["stream"]) for _ in layers]
+    backwards = [_load_copy(backward) for _ in layers]
+  base = jax.random.key(0)
+  indices = [jnp.uint32(i) for i in range(len(layers))]
+  treedef = jax.tree.structure(params[0])
+
+  def step(state: tuple[list[Any], jax.Array]) -> tuple[list[Any], jax.Array]:
+    ps, counter = state
+    x, saved = x0, []
+    for p, index, forward in zip(ps, indices, forwards):
+      leaves = [*jax.tree.leaves(p), x]
+      *values, key, next_counter = forward(base, index, counter, *leaves)
+      outs, inputs = values[:layout.n_out], leaves + [key]
+      saved.append([*(inputs[i] for i in layout.needed_inputs),
+                    *(outs[i] for i in layout.needed_outputs), *values[layout.n_out:]])
+      [x] = outs
+    g, grads = head(x), [None] * len(ps)
+    for i in reversed(range(len(ps))):
+      *leaves, g = backwards[i](*saved[i], g)
+      grads[i] = jax.tree.unflatten(treedef, leaves)
+    return update(ps, grads), next_counter
+
+  return Variant(name, step, (params, jnp.uint32(0)), 0.0,
+                 executables=2 * len(layers) + 2, layers=layers)
+
+
+def _build_jit(name: str, block: Callable[..., Any], params: list[Any], x0: jax.Array,
+               count: int) -> Variant:
+  base = jax.random.key(2)
+  if name == "jit-scan":
+    params = jax.tree.map(lambda *a: jnp.stack(a), *params)
+
+    def forward(ps: Any, keys: jax.Array) -> jax.Array:
+      y, _ = jax.lax.scan(lambda x, pk: (block(pk[0], x, key=pk[1]), None), x0, (ps, keys))
+      return gpt.loss(y)
+  else:
+    def forward(ps: Any, keys: jax.Array) -> jax.Array:
+      x = x0
+      for i in range(count):
+        x = block(ps[i], x, key=keys[i])
+      return gpt.loss(x)
+
+  def train(ps: Any, s: jax.Array) -> tuple[Any, jax.Array]:
+    keys = jax.random.split(jax.random.fold_in(base, s), count)
+    return gpt.sgd(ps, jax.grad(forward)(ps, keys)), s + 1
+
+  compiled = _compile(train, params, jnp.int32(0), donate=(0,))
+  return Variant(name, lambda state: compiled(*state), (params, jnp.int32(0)), 0.0,
+                 executables=1)
+
+
+def _run_steps(variant: Variant, iters: int) -> float:
+  """Milliseconds per step over `iters` steps, the device drained before and after."""
+  jax.block_until_ready(variant.state)
+  start = time.perf_counter()
+  state = variant.state
+  for _ in range(iters):
+    state = variant.step(state)
+  jax.block_until_ready(state)
+  variant.state = state
+  return 1e3 * (time.perf_counter() - start) / iters
+
+
+def _host_us(variant: Variant, samples: int) -> float:
+  """Median host time (µs) of enqueueing one step onto an idle device."""
+  times = []
+  for _ in range(samples):
+    jax.block_until_ready(variant.state)
+    start = time.perf_counter()
+    variant.state = variant.step(variant.state)
+    times.append(time.perf_counter() - start)
+  jax.block_until_ready(variant.state)
+  return 1e6 * statistics.median(times)
+
+
+def time_interleaved(variants: list[Variant], iters: int, reps: int) -> dict[str, list[float]]:
+  """`reps` rounds; each round times every variant once, the order reversed every round."""
+  for v in variants:
+    _run_steps(v, 3)
+  times: dict[str, list[float]] = {v.name: [] for v in variants}
+  for rep in range(reps):
+    for v in (variants if rep % 2 == 0 else variants[::-1]):
+      times[v.name].append(_run_steps(v, iters))
+  return times
+
+
+def _peak_bytes() -> int | None:
+  stats = jax.devices()[0].memory_stats()
+  return stats.get("peak_bytes_in_use") if stats else None
+
+
+def _warm_libraries(attention: str | None) -> None:
+  """Initialises cuBLAS / cuDNN handles once, so the first variant built does not pay it."""
+  q = jnp.ones((1, 8, 1, 16), gpt.DTYPE)
+  jax.block_until_ready((q[0, :, 0] @ q[0, :, 0].T,
+                         jax.nn.dot_product_attention(q, q, q, implementation=attention)))
+
+
+def run_jax(size: gpt.Size, names: list[str], attention: str | None, iters: int, reps: int
+            ) -> list[dict[str, Any]]:
+  """Builds the JAX variants in this process and times them interleaved."""
+  variants = [build(name, size, attention) for name in names]
+  times = time_interleaved(variants, iters, reps)
+  records = []
+  for v in variants:
+    host_us = _host_us(v, max(reps, 5))
+    stats = [layer.stats for layer in v.layers] if v.layers else []
+    records.append(dict(
+        framework="jax", variant=v.name, size=size.name, step_ms=times[v.name],
+        capture_s_in_process=v.capture_s, host_us_per_step=host_us,
+        host_us_per_executable=host_us / v.executables, executables_per_step=v.executables,
+        compiles=sum(s.compiles for s in stats) if stats else None))
+  return records
+
+
+def probe(config: dict[str, Any]) -> dict[str, Any]:
+  """One variant built alone in this (fresh) process: cold capture time, peak memory."""
+  if config.get("cache_dir"):
+    jax.config.update("jax_compilation_cache_dir", config["cache_dir"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  size = gpt.SIZES[config["size"]]
+  _warm_libraries(config["attention"])
+  variant = build(config["variant"], size, config["attention"], config.get("layers"))
+  for _ in range(2):
+    variant.state = variant.step(variant.state)
+  jax.block_until_ready(variant.state)
+  return dict(capture_s=variant.capture_s, peak_bytes=_peak_bytes(),
+              compile_s=sum(layer.stats.compile_seconds for layer in variant.layers)
+              if variant.layers else None)
+
+
+def _subprocess(args: list[str], env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+  out = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, check=False)
+  if out.returncode != 0:
+    raise RuntimeError(f"{' '.join(args[:2])} failed:\n{out.stderr[-4000:]}")
+  return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def run_probe(config: dict[str, Any]) -> dict[str, Any]:
+  [result] = _subprocess([os.path.abspath(__file__), "--probe", json.dumps(config)])
+  return result
+
+
+def torch_available() -> str | None:
+  """None when the torch peers can run, else why not (without importing torch here)."""
+  if importlib.util.find_spec("torch") is None:
+    return "torch is not installed"
+  check = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                         capture_output=True, text=True, check=False)
+  return None if check.stdout.strip() == "True" else "torch sees no CUDA device"
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+  median = statistics.median(times)
+  return dict(median=median, min=min(times), max=max(times),
+              spread_pct=100 * (max(times) - min(times)) / median)
+
+
+def machine() -> dict[str, Any]:
+  info = dict(jax=jax.__version__, python=platform.python_version(),
+              device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform)
+  try:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True, timeout=30)
+    info["nvidia_smi"] = smi.stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return info
+
+
+def print_table(records: list[dict[str, Any]], capture: dict[str, Any]) -> None:
+  header = (f"{'size':7} {'variant':19} {'step ms':>8} {'spread':>7} {'x unrolled':>10} "
+            f"{'capture s':>9} {'peak MiB':>9} {'host µs/exe':>11} {'exe/step':>8}")
+  print(header)
+  print("-" * len(header))
+  for r in records:
+    peak = f"{r['peak_bytes'] / 2**20:9.0f}" if r.get("peak_bytes") else f"{'-':>9}"
+    host = (f"{r['host_us_per_executable']:11.1f}" if r.get("host_us_per_executable")
+            else f"{'-':>11}")
+    ratio = f"{r['x_unrolled']:10.3f}" if r.get("x_unrolled") else f"{'-':>10}"
+    print(f"{r['size']:7} {r['variant']:19} {r['step']['median']:8.3f} "
+          f"{r['step']['spread_pct']:6.1f}% {ratio} {r['capture_s']:9.2f} {peak} {host} "
+          f"{r.get('executables_per_step') or '-':>8}")
+  for size, c in capture.items():
+    print(f"capture {size}: 1 layer {c['layers_1_s']:.2f} s, {c['layers_n']} layers "
+          f"{c['layers_n_s']:.2f} s (x{c['depth_ratio']:.2f}); persistent cache cold "
+          f"{c['cache_cold_s']:.2f} s, warm {c['cache_warm_s']:.2f} s "
+          f"({100 * c['warm_over_cold']:.0f}%)")
+
+
+def plot(records: list[dict[str, Any]], path: str) -> bool:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+  except ImportError:
+    return False
+  sizes = list(dict.fromkeys(r["size"] for r in records))
+  fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+  for ax, size in zip(axes[0], sizes):
+    rows = [r for r in records if r["size"] == size]
+    names = [r["variant"] for r in rows]
+    medians = [r["step"]["median"] for r in rows]
+    errors = [[m - r["step"]["min"] for m, r in zip(medians, rows)],
+              [r["step"]["max"] - m for m, r in zip(medians, rows)]]
+    colors = ["tab:blue" if n.startswith("jaxgraph") else "tab:orange" if n.startswith("jit")
+              else "tab:green" for n in names]
+    ax.barh(names, medians, xerr=errors, color=colors)
+    for i, r in enumerate(rows):
+      if r.get("x_unrolled"):
+        ax.text(medians[i], i, f" {r['x_unrolled']:.2f}x", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("step time (ms), median and min-max")
+    ax.set_title(f"{size}")
+  fig.suptitle("12-layer GPT stack, fwd + bwd + SGD (x = over whole-step jit, unrolled)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return True
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(gpt.SIZES))
+  parser.add_argument("--tiny", action="store_true", help="tiny sizes on any backend (CI)")
+  parser.add_argument("--variants", nargs="+", default=list(JAX_VARIANTS + TORCH_VARIANTS))
+  parser.add_argument("--iters", type=int, default=20, help="steps per timed round")
+  parser.add_argument("--reps", type=int, default=5, help="timed rounds per variant")
+  parser.add_argument("--attention", default=None,
+                      help="dot_product_attention implementation; default cudnn on GPU")
+  parser.add_argument("--no-probes", action="store_true",
+                      help="skip the fresh-process capture / memory / cache measurements")
+  parser.add_argument("--out", default=".", help="folder for bench.json and bench.png")
+  parser.add_argument("--probe", help=argparse.SUPPRESS)
+  parser.add_argument("--torch", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.probe:
+    print(json.dumps(probe(json.loads(args.probe))), flush=True)
+    return
+  if args.tiny:
+    args.sizes, args.iters, args.reps = ["tiny"], min(args.iters, 3), min(args.reps, 3)
+  attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else None)
+  unknown = set(args.variants) - set(JAX_VARIANTS + TORCH_VARIANTS)
+  if unknown:
+    parser.error(f"unknown variants {sorted(unknown)}")
+  jax_names = [v for v in JAX_VARIANTS if v in args.variants]
+  torch_names = [v for v in TORCH_VARIANTS if v in args.variants]
+  meta = dict(machine(), command=" ".join(sys.argv), attention=attention, iters=args.iters,
+              reps=args.reps, skipped={})
+  _warm_libraries(attention)
+  records = []
+  for size_name in args.sizes:
+    records += run_jax(gpt.SIZES[size_name], jax_names, attention, args.iters, args.reps)
+  torch_missing = torch_available() if torch_names else "not asked for"
+  if torch_missing is None:
+    sizes = [dataclasses.asdict(gpt.SIZES[s]) for s in args.sizes]
+    lines = _subprocess([os.path.join(HERE, "torch_peer.py"),
+                         json.dumps(dict(sizes=sizes, iters=args.iters, reps=args.reps))])
+    meta.update(lines[0]["meta"])
+    records += [line["record"] for line in lines[1:]]
+  else:
+    meta["skipped"].update({name: torch_missing for name in torch_names})
+  capture = {}
+  if not args.no_probes:
+    memory = jax.devices()[0].memory_stats() is not None
+    for r in records:
+      if r["framework"] == "jax":
+        # A fresh process per variant: no in-process compile caches, a clean memory peak.
+        result = run_probe(dict(size=r["size"], variant=r["variant"], attention=attention))
+        r["capture_s"] = result["capture_s"]
+        r["peak_bytes"] = result["peak_bytes"] if memory else None
+        r["probe_compile_s"] = result["compile_s"]
+    for size_name in args.sizes:
+      full = [r for r in records if r["size"] == size_name and r["variant"] == "jaxgraph"]
+      capture[size_name] = capture_probes(gpt.SIZES[size_name], attention,
+                                          full[0]["capture_s"] if full else None)
+  for r in records:
+    r.setdefault("capture_s", r.get("capture_s_in_process", 0.0))
+    r["step"] = _summary(r["step_ms"])
+  for r in records:
+    base = [b for b in records if b["size"] == r["size"] and b["variant"] == "jit-unrolled"]
+    if base:
+      r["x_unrolled"] = r["step"]["median"] / base[0]["step"]["median"]
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "bench.json"), "w") as f:
+    json.dump(dict(meta=meta, records=records, capture=capture), f, indent=1)
+  print(json.dumps(meta))
+  print_table(records, capture)
+  if not plot(records, os.path.join(args.out, "bench.png")):
+    print("matplotlib is not installed: no plot")
+
+
+def capture_probes(size: gpt.Size, attention: str | None, full_s: float | None
+                   ) -> dict[str, Any]:
+  """Capture of 1 layer vs all layers (fresh processes), and cold vs warm persistent cache.
+
+  `full_s` is the capture time of all layers if a fresh process measured it already.
+  """
+  one = run_probe(dict(size=size.name, variant="jaxgraph", layers=1, attention=attention))
+  if full_s is None:
+    full_s = run_probe(dict(size=size.name, variant="jaxgraph", attention=attention))["capture_s"]
+  with tempfile.TemporaryDirectory(prefix="jaxgraph-cache-") as cache_dir:
+    config = dict(size=size.name, variant="jaxgraph", attention=attention, cache_dir=cache_dir)
+    cold = run_probe(config)
+    warm = run_probe(config)
+  return dict(layers_1_s=one["capture_s"], layers_n=size.layers, layers_n_s=full_s,
+              depth_ratio=full_s / one["capture_s"], cache_cold_s=cold["capture_s"],
+              cache_warm_s=warm["capture_s"], warm_over_cold=warm["capture_s"] / cold["capture_s"])
+
+
+if __name__ == "__main__":
+  main()

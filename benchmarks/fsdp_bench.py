@@ -1,0 +1,238 @@
+"""FSDP: peak device memory and step time of graphed FSDP vs. a whole-step `jax.jit` FSDP step.
+
+The GPT block stack of `gpt.py` (bf16, dropout with explicit keys), weights sharded over all
+devices with `jg.fsdp` (data parallel over the same axis). A step is the forward, the loss
+gradient, the backward and an SGD update (params donated). Two variants:
+
+  graphed   make_graphed([remat(gather + block)] * L): one layer's weights gathered at a time
+  jit       one jax.jit of the whole step, the same layer function (XLA schedules the gathers)
+
+Memory: each variant runs in its own process (`peak_bytes_in_use` only grows); the peak is
+the largest over the local devices. Also reported for both, from the compiled executables'
+`memory_analysis()` (per device, available on CPU too): the graphed per-layer forward and
+backward bytes and the jit step's. The target (issue 8): graphed peak <= sharded weights +
+2 gathered layers + activations, below the jit step's peak.
+Time: one process builds both and alternates them, `--reps` rounds of `--iters` steps;
+median per step.
+
+  PYTHONPATH=. python3 benchmarks/fsdp_bench.py --out /tmp/fsdp                 # 2 GPUs
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
+      PYTHONPATH=. python3 benchmarks/fsdp_bench.py --tiny --out /tmp/fsdp        # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gpt
+import jaxgraph as jg
+from jaxgraph import fsdp
+
+VARIANTS = ("graphed", "jit")
+
+
+@dataclasses.dataclass
+class Setup:
+  """One variant, ready to step: `params = step(params, index)`."""
+
+  params: list[Any]
+  step: Callable[[list[Any], int], list[Any]]
+  analysis: dict[str, Any]
+
+
+def _analysis(compiled: Any) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  return dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
+              temp=m.temp_size_in_bytes, alias=m.alias_size_in_bytes)
+
+
+def _nbytes(tree: Any, per_device: bool) -> int:
+  """Bytes of a tree's leaves: one device's shards, or the full (gathered) arrays."""
+  return sum(leaf.addressable_shards[0].data.nbytes if per_device else leaf.nbytes
+             for leaf in jax.tree.leaves(tree))
+
+
+def build(size: gpt.Size, variant: str, attention: str | None, warmup: int) -> Setup:
+  mesh = fsdp.make_mesh()
+  batch = fsdp.batch_sharding(mesh)
+  host_params = gpt.init_params(size)
+  specs = fsdp.shardings(host_params, mesh)
+  params = fsdp.shard(host_params, mesh)
+  x0 = jax.device_put(gpt.init_input(size), batch)
+  base = jax.random.key(2)
+  split = jax.jit(lambda s: tuple(jax.random.split(jax.random.fold_in(base, s), size.layers)))
+  block = gpt.make_block(size.heads, attention)
+
+  def layer(p: Any, x: jax.Array, *, key: jax.Array) -> jax.Array:
+    return jax.lax.with_sharding_constraint(block(fsdp.gather(p, mesh), x, key=key), batch)
+
+  layer = fsdp.remat(layer)
+  update = jax.jit(gpt.sgd, donate_argnums=0, out_shardings=specs)
+  if variant == "graphed":
+    layers = jg.make_graphed([layer] * size.layers, sample_args=[(p, x0) for p in params],
+                             rng=True, num_warmup_iters=warmup)
+    head = jax.jit(jax.grad(gpt.loss))
+
+    def step(params: list[Any], index: int) -> list[Any]:
+      keys = split(jnp.uint32(index))
+      y, pullback = jg.sequential_vjp(layers, params, x0, keys=list(keys))
+      grads, _ = pullback(head(y))
+      return update(params, grads)
+
+    (entry,) = layers[0]._entries.values()
+    analysis = dict(forward=_analysis(entry.forward["explicit"]),
+                    backward=_analysis(entry.backward["full"][0]))
+    return Setup(params, step, analysis)
+
+  def loss(params: list[Any], keys: tuple[jax.Array, ...]) -> jax.Array:
+    x = x0
+    for p, k in zip(params, keys):
+      x = layer(p, x, key=k)
+    return gpt.loss(x)
+
+  def whole(params: list[Any], keys: tuple[jax.Array, ...]) -> list[Any]:
+    return gpt.sgd(params, jax.grad(loss)(params, keys))
+
+  compiled = jax.jit(whole, donate_argnums=0, out_shardings=specs).lower(
+      params, split(jnp.uint32(0))).compile()
+  return Setup(params, lambda params, index: compiled(params, split(jnp.uint32(index))),
+               dict(step=_analysis(compiled)))
+
+
+def _memory() -> dict[str, int] | None:
+  stats = [d.memory_stats() for d in jax.local_devices()]
+  if not all(stats):
+    return None
+  return {k: max(int(s[k]) for s in stats) for k in ("bytes_in_use", "peak_bytes_in_use")}
+
+
+def measure_memory(size: gpt.Size, variant: str, attention: str | None) -> dict[str, Any]:
+  """One variant, alone in this process: bytes in use and peaks around capture and steps."""
+  before = _memory()
+  setup = build(size, variant, attention, warmup=0)
+  after_capture = _memory()
+  params = setup.step(setup.params, 0)
+  params = setup.step(params, 1)
+  jax.block_until_ready(params)
+  after_steps = _memory()
+  one_layer = params[0]
+  result: dict[str, Any] = dict(
+      kind="memory", variant=variant, devices=jax.device_count(), analysis=setup.analysis,
+      sharded_weight_bytes=_nbytes(params, per_device=True),
+      gathered_layer_bytes=_nbytes(one_layer, per_device=False))
+  if before is not None:
+    result.update(bytes_in_use_before=before["bytes_in_use"],
+                  peak_after_capture=after_capture["peak_bytes_in_use"],
+                  peak_after_steps=after_steps["peak_bytes_in_use"])
+  return result
+
+
+def measure_time(size: gpt.Size, variants: list[str], attention: str | None, iters: int,
+                 reps: int) -> dict[str, Any]:
+  """Both variants in this process, alternated: median seconds per step."""
+  setups = {v: build(size, v, attention, warmup=1) for v in variants}
+  params = {v: setups[v].step(setups[v].params, 0) for v in variants}
+  times: dict[str, list[float]] = {v: [] for v in variants}
+  for rep in range(reps):
+    for v in (variants if rep % 2 == 0 else variants[::-1]):
+      params[v] = jax.block_until_ready(setups[v].step(params[v], 0))
+      start = time.perf_counter()
+      for i in range(iters):
+        params[v] = setups[v].step(params[v], i)
+      jax.block_until_ready(params[v])
+      times[v].append((time.perf_counter() - start) / iters)
+  return dict(kind="time", iters=iters, reps=reps,
+              step_s={v: statistics.median(t) for v, t in times.items()}, step_s_all=times)
+
+
+def _child(args: list[str], timeout: float) -> dict[str, Any]:
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
+                       text=True, env=env, timeout=timeout)
+  lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+  if out.returncode != 0 or not lines:
+    return dict(args=args, error=out.stderr[-4000:], returncode=out.returncode)
+  return json.loads(lines[-1])
+
+
+def _mib(value: float | None) -> str:
+  return "-" if value is None else f"{value / 2 ** 20:,.2f}"
+
+
+def report(results: dict[str, Any]) -> str:
+  memory = {r["variant"]: r for r in results["memory"] if "variant" in r}
+  step_s = results.get("time", {}).get("step_s", {})
+  lines = ["variant   peak MiB  compiled temp MiB (per device)   step ms",
+           "--------  --------  -----------------------------   -------"]
+  for v in results["variants"]:
+    m, t = memory.get(v, {}), step_s.get(v)
+    a = m.get("analysis", {})
+    temp = (f"fwd {_mib(a['forward']['temp'])} / bwd {_mib(a['backward']['temp'])} per layer"
+            if "forward" in a else f"step {_mib(a['step']['temp'])}" if "step" in a else "-")
+    lines.append(f"{v:<8}  {_mib(m.get('peak_after_steps')):>8}  {temp:<29}   "
+                 f"{t * 1e3 if t else float('nan'):>7.1f}")
+  g = memory.get("graphed", {})
+  if "analysis" in g:
+    lines.append(f"sharded weights {_mib(g['sharded_weight_bytes'])} MiB per device, one "
+                 f"gathered layer {_mib(g['gathered_layer_bytes'])} MiB, residuals per layer "
+                 f"{_mib(g['analysis']['forward']['output'])} MiB per device")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", default="medium", choices=sorted(gpt.SIZES))
+  parser.add_argument("--tiny", action="store_true", help="CPU smoke run (size tiny)")
+  parser.add_argument("--attention", default="cudnn", help="'cudnn', 'xla' or 'default'")
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+  parser.add_argument("--iters", type=int, default=3)
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--out", default=None, help="folder for fsdp_bench.json")
+  parser.add_argument("--child", choices=("memory", "time"), help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.tiny:
+    args.size, args.attention = "tiny", "default"
+  size = gpt.SIZES[args.size]
+  attention = None if args.attention == "default" else args.attention
+  if args.child == "memory":
+    print(json.dumps(measure_memory(size, args.variants[0], attention)))
+    return
+  if args.child == "time":
+    print(json.dumps(measure_time(size, args.variants, attention, args.iters, args.reps)))
+    return
+  common = ["--size", size.name, "--attention", args.attention]
+  results: dict[str, Any] = dict(
+      size=dataclasses.asdict(size), attention=args.attention, variants=args.variants,
+      jax=jax.__version__, device=jax.devices()[0].device_kind, devices=jax.device_count(),
+      platform=platform.platform(), command=" ".join(sys.argv),
+      xla_flags=os.environ.get("XLA_FLAGS", ""), memory=[])
+  for v in args.variants:
+    results["memory"].append(_child(["--child", "memory", "--variants", v, *common], 600))
+    print(json.dumps(results["memory"][-1])[:2000], flush=True)
+  results["time"] = _child(["--child", "time", "--variants", *args.variants, "--iters",
+                            str(args.iters), "--reps", str(args.reps), *common], 900)
+  print(json.dumps(results["time"])[:2000], flush=True)
+  results["table"] = report(results)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fsdp_bench.json"), "w") as f:
+      json.dump(results, f, indent=1)
+  print(f"{results['devices']} x {results['device']}, jax {results['jax']}, size {size}")
+  print(results["table"])
+
+
+if __name__ == "__main__":
+  main()

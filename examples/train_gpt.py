@@ -1,0 +1,480 @@
+"""Train a small character-level GPT (Flax NNX, Optax AdamW) with every layer graphed.
+
+  python examples/train_gpt.py                        # CPU default: a few minutes on 2 cores
+  python examples/train_gpt.py --preset gpu           # a larger model on one GPU
+  python examples/train_gpt.py --preset tiny --steps 20 --out /tmp/gpt    # seconds
+  python examples/train_gpt.py --stop-after 300       # "interrupted" after step 300 ...
+  python examples/train_gpt.py --resume               # ... continues bitwise identically
+  python examples/train_gpt.py --check                # also runs the steps under one jax.jit
+
+The model is split into layers (embedding, N transformer blocks, head + loss), each turned
+into a pure function by `jaxgraph.flax.nnx_layer` and captured by one `jaxgraph.make_graphed`
+call: identical blocks compile once, dropout draws from each layer's own key stream, and a
+replay-time hook times every layer's forward and backward on the logged steps. Checkpoints
+(Orbax) hold the params, the optimizer state and each layer's key stream position, so a
+resumed run continues exactly where the interrupted one stopped. Outputs in `--out`:
+`loss.png`, `metrics.json`, `checkpoints/`.
+
+The text is examples/data/corpus.txt (self-written fables, see make_corpus.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import jaxgraph as jg
+import jaxgraph.flax as jgf
+import jaxgraph.rng
+
+CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  context: int
+  width: int
+  heads: int
+  depth: int
+  batch: int
+  steps: int
+  learning_rate: float
+  dropout: float
+  log_every: int
+  checkpoint_every: int
+
+
+PRESETS = {
+    "tiny": Preset(context=32, width=32, heads=2, depth=2, batch=8, steps=30,
+                   learning_rate=3e-3, dropout=0.1, log_every=5, checkpoint_every=10),
+    "cpu": Preset(context=64, width=128, heads=4, depth=4, batch=16, steps=600,
+                  learning_rate=2e-3, dropout=0.1, log_every=50, checkpoint_every=200),
+    "gpu": Preset(context=256, width=512, heads=8, depth=8, batch=64, steps=3000,
+                  learning_rate=6e-4, dropout=0.1, log_every=100, checkpoint_every=1000),
+}
+
+
+# ----------------------------------------------------------------------------------- model
+
+
+class Embedding(nnx.Module):
+  """Token and learned position embeddings, then dropout."""
+
+  def __init__(self, vocab: int, preset: Preset, *, rngs: nnx.Rngs):
+    self.tokens = nnx.Embed(vocab, preset.width, rngs=rngs)
+    self.positions = nnx.Param(
+        0.02 * jax.random.normal(rngs.params(), (preset.context, preset.width)))
+    self.drop = nnx.Dropout(preset.dropout, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    return self.drop(self.tokens(tokens) + self.positions[:tokens.shape[-1]])
+
+
+class Block(nnx.Module):
+  """A pre-norm transformer block: causal self-attention and an MLP, dropout on both."""
+
+  def __init__(self, preset: Preset, *, rngs: nnx.Rngs):
+    width = preset.width
+    self.heads = preset.heads
+    self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+    self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
+    self.proj = nnx.Linear(width, width, rngs=rngs)
+    self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+    self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+    self.down = nnx.Linear(4 * width, width, rngs=rngs)
+    self.drop_attention = nnx.Dropout(preset.dropout, rngs=rngs)
+    self.drop_mlp = nnx.Dropout(preset.dropout, rngs=rngs)
+
+  def attention(self, x: jax.Array) -> jax.Array:
+    batch, length, width = x.shape
+    shape = (batch, length, self.heads, width // self.heads)
+    q, k, v = (part.reshape(shape) for part in jnp.split(self.qkv(x), 3, axis=-1))
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(out.reshape(batch, length, width))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.drop_attention(self.attention(self.norm1(x)))
+    return x + self.drop_mlp(self.down(jax.nn.gelu(self.up(self.norm2(x)))))
+
+
+class Head(nnx.Module):
+  """Final norm, output projection and the mean next-character cross-entropy."""
+
+  def __init__(self, vocab: int, preset: Preset, *, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(preset.width, rngs=rngs)
+    self.out = nnx.Linear(preset.width, vocab, use_bias=False, rngs=rngs)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    return self.out(self.norm(x))
+
+  def __call__(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(self.logits(x), targets).mean()
+
+
+class GPT(nnx.Module):
+
+  def __init__(self, vocab: int, preset: Preset, *, rngs: nnx.Rngs):
+    self.embed = Embedding(vocab, preset, rngs=rngs)
+    self.blocks = nnx.List([Block(preset, rngs=rngs) for _ in range(preset.depth)])
+    self.head = Head(vocab, preset, rngs=rngs)
+
+  def layers(self) -> list[nnx.Module]:
+    """The parts graphed one by one, in order."""
+    return [self.embed, *self.blocks, self.head]
+
+  def logits(self, tokens: jax.Array) -> jax.Array:
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head.logits(x)
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+class Corpus:
+  """The text as character ids; batch `step` is a function of (seed, step) only."""
+
+  def __init__(self, path: pathlib.Path, context: int, batch: int, seed: int):
+    text = path.read_text(encoding="ascii")
+    self.chars = sorted(set(text))
+    self.index = {c: i for i, c in enumerate(self.chars)}
+    self.ids = np.array([self.index[c] for c in text], np.int32)
+    self.context, self.batch, self.seed = context, batch, seed
+
+  def batch_at(self, step: int) -> tuple[jax.Array, jax.Array]:
+    starts = np.random.default_rng([self.seed, step]).integers(
+        0, len(self.ids) - self.context - 1, self.batch)
+    window = np.stack([self.ids[s:s + self.context + 1] for s in starts])
+    return jnp.asarray(window[:, :-1]), jnp.asarray(window[:, 1:])
+
+  def decode(self, ids: Any) -> str:
+    return "".join(self.chars[int(i)] for i in ids)
+
+
+# ----------------------------------------------------------------------------------- hooks
+
+
+class LayerTimer:
+  """Replay-time hooks timing each layer's forward and backward on the steps it is armed.
+
+  Armed steps wait for the device before and after every layer (hooks run on the host
+  between executables), so they measure device time per layer at the cost of overlap;
+  other steps pay one Python call per hook.
+  """
+
+  def __init__(self) -> None:
+    self.armed = False
+    self._start: dict[tuple[str, int], float] = {}
+    self.seconds: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+
+  def hooks(self) -> jg.Hooks:
+    return jg.Hooks(pre_forward=[self._pre_forward], forward=[self._forward],
+                    pre_backward=[self._pre_backward], backward=[self._backward])
+
+  def _begin(self, kind: str, event: jg.HookEvent, ready: Any) -> None:
+    if self.armed and event.phase == "replay":
+      jax.block_until_ready(ready)
+      self._start[kind, event.index] = time.perf_counter()
+
+  def _end(self, kind: str, event: jg.HookEvent, ready: Any) -> None:
+    if self.armed and event.phase == "replay":
+      jax.block_until_ready(ready)
+      self.seconds[kind, event.index].append(time.perf_counter() - self._start[kind, event.index])
+
+  def _pre_forward(self, event: jg.HookEvent) -> None:
+    self._begin("forward", event, event.args)
+
+  def _forward(self, event: jg.HookEvent) -> None:
+    self._end("forward", event, event.outputs)
+
+  def _pre_backward(self, event: jg.HookEvent) -> None:
+    self._begin("backward", event, event.cotangents)
+
+  def _backward(self, event: jg.HookEvent) -> None:
+    self._end("backward", event, event.grads)
+
+  def table(self, names: list[str]) -> dict[str, dict[str, float]]:
+    """Median milliseconds per layer and direction."""
+    return {name: {kind: round(1e3 * float(np.median(self.seconds[kind, i])), 3)
+                   for kind in ("forward", "backward") if self.seconds[kind, i]}
+            for i, name in enumerate(names)}
+
+
+# ------------------------------------------------------------------------------- training
+
+
+def make_update(tx: optax.GradientTransformation):
+  @functools.partial(jax.jit, donate_argnums=(1, 2))
+  def update(grads, opt_state, params):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return update
+
+
+def graphed_step(layers, update, params, opt_state, tokens, targets):
+  """One training step: graphed forwards, graphed backwards in reverse, one AdamW update."""
+  embed, blocks, head = layers[0], layers[1:-1], layers[-1]
+  x, embed_pullback = embed.vjp(params[0], tokens)
+  x, blocks_pullback = jg.sequential_vjp(blocks, params[1:-1], x)
+  loss, head_pullback = head.vjp(params[-1], x, targets)
+  head_grads, x_grads, _ = head_pullback(jnp.ones_like(loss))
+  block_grads, x_grads = blocks_pullback(x_grads)
+  embed_grads, _ = embed_pullback(x_grads)
+  params, opt_state = update([embed_grads, *block_grads, head_grads], opt_state, params)
+  return params, opt_state, loss
+
+
+def make_whole_step(layers, tx: optax.GradientTransformation):
+  """The same step as one `jax.jit`: graphed layers called with tracers run their function."""
+
+  def loss_fn(params, tokens, targets, keys):
+    x = layers[0](params[0], tokens, key=keys[0])
+    for layer, p, key in zip(layers[1:-1], params[1:-1], keys[1:-1]):
+      x = layer(p, x, key=key)
+    return layers[-1](params[-1], x, targets, key=keys[-1])
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, tokens, targets, keys):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets, keys)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def stream_keys(streams: list[tuple[jax.Array, int]], step_offset: int) -> list[jax.Array]:
+  """The keys the layers' own streams draw `step_offset` steps after `streams` (one per step)."""
+  return [jaxgraph.rng.stream_key(i, counter + step_offset, base)
+          for i, (base, counter) in enumerate(streams)]
+
+
+def params_digest(params: Any) -> str:
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    digest.update(np.asarray(leaf).tobytes())
+  return digest.hexdigest()
+
+
+def plot(losses: list[float], path: pathlib.Path, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  steps = np.arange(1, len(losses) + 1)
+  window = max(1, len(losses) // 25)
+  smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+  fig, ax = plt.subplots(figsize=(7, 4))
+  ax.plot(steps, losses, alpha=0.35, label="loss")
+  ax.plot(steps[window - 1:], smooth, label=f"mean of {window}")
+  ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title=title)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def sample(model: GPT, params: list[nnx.State], corpus: Corpus, chars: int, seed: int) -> str:
+  """Writes trained params back into the NNX model and samples text from it (eval mode)."""
+  nnx.update(model, jgf.join_states(model, model.layers(), params))
+  model.eval()
+  next_logits = nnx.jit(lambda model, window: model.logits(window[None])[0, -1])
+  window = jnp.asarray(corpus.ids[-corpus.context:])  # prompt: the end of the last fable
+  key, out = jax.random.key(seed), []
+  for i in range(chars):
+    logits = next_logits(model, window)
+    token = jax.random.categorical(jax.random.fold_in(key, i), logits / 0.8)
+    out.append(int(token))
+    window = jnp.concatenate([window[1:], token[None].astype(jnp.int32)])
+  return corpus.decode(out)
+
+
+def progress(step: int, total: int, loss: float, tokens_per_second: float,
+             ms_per_step: float) -> str:
+  filled = int(20 * step / total)
+  return (f"step {step:>5}/{total} [{'#' * filled}{'.' * (20 - filled)}] loss {loss:.4f} | "
+          f"{tokens_per_second:>9,.0f} tok/s | {ms_per_step:6.1f} ms/step")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+  parser.add_argument("--steps", type=int, help="total steps (default: the preset's)")
+  parser.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted")
+  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  parser.add_argument("--check", action="store_true",
+                      help="also run the same steps with one whole-step jax.jit and compare")
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/gpt"))
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--sample", type=int, default=200, help="characters to sample at the end")
+  args = parser.parse_args(argv)
+  preset = PRESETS[args.preset]
+  total = args.steps or preset.steps
+  stop = min(total, args.stop_after or total)
+  args.out.mkdir(parents=True, exist_ok=True)
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}: {len(jax.devices())} device(s); "
+        f"preset {args.preset}: {preset}")
+
+  corpus = Corpus(CORPUS, preset.context, preset.batch, args.seed)
+  model = GPT(len(corpus.chars), preset, rngs=nnx.Rngs(params=args.seed, dropout=args.seed))
+  fns, params = zip(*(jgf.nnx_layer(part) for part in model.layers()))
+  params = list(params)
+  names = [f"{fn.__name__}[{i}]" for i, fn in enumerate(fns)]
+  print(f"{sum(x.size for x in jax.tree.leaves(params)):,} params, vocab {len(corpus.chars)}, "
+        f"{len(corpus.ids):,} characters")
+
+  # Capture: one make_graphed call for every layer; identical blocks share executables.
+  tokens, targets = corpus.batch_at(0)
+  x = jax.ShapeDtypeStruct((preset.batch, preset.context, preset.width), jnp.float32)
+  sample_args = ([(params[0], tokens)] + [(p, x) for p in params[1:-1]]
+                 + [(params[-1], x, targets)])
+  timer = LayerTimer()
+  start = time.perf_counter()
+  layers = jg.make_graphed(list(fns), timer.hooks(), sample_args=sample_args,
+                           rng=jax.random.key(args.seed))
+  capture_seconds = time.perf_counter() - start
+  print(f"captured {len(layers)} layers in {capture_seconds:.1f} s (incl. warmup):")
+  for name, layer in zip(names, layers):
+    s = layer.stats
+    print(f"  {name:<14} captures {s.captures}  cache hits {s.cache_hits}  "
+          f"compiles {s.compiles}  compile {s.compile_seconds:.2f} s")
+
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, preset.learning_rate, max(1, total // 20), total, preset.learning_rate / 10)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=0.1))
+  opt_state = tx.init(params)
+  # Compiled ahead like the layers, so the first steps do not pay for it (grads are shaped
+  # like params).
+  update = make_update(tx).lower(params, opt_state, params).compile()
+
+  manager = ocp.CheckpointManager(
+      (args.out / "checkpoints").absolute(),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False))
+  metrics_path = args.out / "metrics.json"
+  first, losses = 0, []
+  if args.resume and manager.latest_step() is not None:
+    first = manager.latest_step()
+    target = {"params": params, "opt_state": opt_state,
+              "streams": [{"key": jax.random.key_data(g.rng_base_key),
+                           "counter": np.zeros((), np.uint32)} for g in layers]}
+    restored = manager.restore(first, args=ocp.args.StandardRestore(target))
+    params, opt_state = restored["params"], restored["opt_state"]
+    for layer, stream in zip(layers, restored["streams"]):
+      layer.seed(jax.random.wrap_key_data(stream["key"]), counter=int(stream["counter"]))
+    losses = json.loads(metrics_path.read_text())["losses"][:first]
+    print(f"resumed from step {first} ({args.out / 'checkpoints'})")
+  elif args.resume:
+    print("no checkpoint to resume from; starting at step 0")
+
+  def save(step: int) -> None:
+    losses.extend(float(l) for l in pending)
+    pending.clear()
+    streams = [{"key": jax.random.key_data(g.rng_base_key),
+                "counter": np.asarray(g.rng_counter, np.uint32)} for g in layers]
+    manager.save(step, args=ocp.args.StandardSave(
+        {"params": params, "opt_state": opt_state, "streams": streams}))
+    metrics_path.write_text(json.dumps({"step": step, "losses": losses}))
+
+  if args.check:
+    check_start = (jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state),
+                   [(g.rng_base_key, g.rng_counter) for g in layers])
+
+  pending: list[jax.Array] = []
+  seconds = 0.0
+  tokens_per_step = preset.batch * preset.context
+  mark, mark_step = time.perf_counter(), first
+  for step in range(first + 1, stop + 1):
+    tokens, targets = corpus.batch_at(step)
+    timer.armed = step % preset.log_every == 0
+    params, opt_state, loss = graphed_step(layers, update, params, opt_state, tokens, targets)
+    pending.append(loss)
+    if step % preset.log_every == 0 or step == stop:
+      losses.extend(float(l) for l in pending)
+      pending.clear()
+      elapsed = time.perf_counter() - mark
+      seconds += elapsed
+      done = step - mark_step
+      print(progress(step, total, losses[-1], done * tokens_per_step / elapsed,
+                     1e3 * elapsed / done), flush=True)
+    if step % preset.checkpoint_every == 0 or step == stop:
+      save(step)
+    if step % preset.log_every == 0:
+      mark, mark_step = time.perf_counter(), step  # checkpoint time is not training time
+  manager.wait_until_finished()
+  timer.armed = False
+
+  run_steps = stop - first
+  result: dict[str, Any] = {
+      "preset": args.preset, "step": stop, "losses": losses,
+      "final_loss": losses[-1] if losses else None,
+      "train_seconds": round(seconds, 3), "capture_seconds": round(capture_seconds, 3),
+      "tokens_per_second": round(run_steps * tokens_per_step / seconds, 1) if seconds else None,
+      "params_sha256": params_digest(params),
+      "layer_ms": timer.table(names),
+      "stats": {name: layer.stats._asdict() for name, layer in zip(names, layers)},
+  }
+  print("per-layer median ms (forward / backward, device-synchronised on logged steps):")
+  for name, row in result["layer_ms"].items():
+    print(f"  {name:<14} {row.get('forward', float('nan')):8.3f} "
+          f"{row.get('backward', float('nan')):8.3f}")
+
+  if args.check and run_steps:
+    check_params, check_state, streams = check_start
+    tokens, targets = corpus.batch_at(first + 1)
+    start = time.perf_counter()
+    whole_step = make_whole_step(layers, tx).lower(
+        check_params, check_state, tokens, targets, stream_keys(streams, 0)).compile()
+    whole_compile_seconds = time.perf_counter() - start
+    start, check_losses = time.perf_counter(), []
+    for offset, step in enumerate(range(first + 1, stop + 1)):
+      tokens, targets = corpus.batch_at(step)
+      check_params, check_state, loss = whole_step(check_params, check_state, tokens, targets,
+                                                   stream_keys(streams, offset))
+      check_losses.append(loss)
+    check_losses = [float(l) for l in check_losses]
+    whole_seconds = time.perf_counter() - start
+    loss_diff = max(abs(a - b) for a, b in zip(losses[first:], check_losses))
+    param_diff = max(float(jnp.max(jnp.abs(a - b)))
+                     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(check_params)))
+    result["check"] = {
+        "max_loss_diff": loss_diff, "max_param_diff": param_diff,
+        "first_loss_diff": abs(losses[first] - check_losses[0]),
+        "whole_step_compile_seconds": round(whole_compile_seconds, 3),
+        "whole_step_tokens_per_second": round(run_steps * tokens_per_step / whole_seconds, 1)}
+    print(f"--check: one whole-step jax.jit (compiled in {whole_compile_seconds:.1f} s, "
+          f"{result['check']['whole_step_tokens_per_second']:,.0f} tok/s without hooks or "
+          f"checkpoints) vs graphed over {run_steps} steps: max |loss diff| {loss_diff:.3g} "
+          f"(first step {result['check']['first_loss_diff']:.3g}), max |param diff| "
+          f"{param_diff:.3g}.")
+    if loss_diff or param_diff:
+      print("  Not bitwise: the whole step is one fused executable, where XLA may round a "
+            "reduction differently across layer boundaries; training then amplifies the last-"
+            "bit differences. Per layer the math is bitwise the same (tests/test_flax.py).")
+
+  plot(losses, args.out / "loss.png", f"char GPT ({args.preset}), graphed per layer")
+  metrics_path.write_text(json.dumps(result, indent=1))
+  print(f"final loss {result['final_loss']:.4f} after step {stop}; "
+        f"{result['tokens_per_second'] or 0:,.0f} tok/s; wrote {args.out / 'loss.png'}, "
+        f"{metrics_path}, {args.out / 'checkpoints'}")
+  if args.sample:
+    print("sample:\n" + sample(model, params, corpus, args.sample, args.seed))
+  return result
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,535 @@
+"""Pipeline schedules: Transformer Engine's `_order`, order builders, and a pipeline driver.
+
+An order is a list of 1-based chunk ids (Transformer Engine's `_order`, Megatron's
+`convert_schedule_table_to_order`):
+
+* `+c` runs the forwards of every layer of chunk `c`, for the next microbatch of that chunk;
+* `-c` runs their backwards (layers reversed), for the chunk's oldest microbatch still
+  waiting for its backward;
+* `-c - 0.5` (the chunk's backward entry minus 0.5: `-1.5` for chunk 1) runs their deferred
+  weight gradients (`delay_wgrad=True`), for the chunk's oldest microbatch still waiting.
+
+`parse_order` validates an order and expands it into `Step`s; `interleaved_1f1b`,
+`one_f_one_b`, `zero_bubble` and `merge_ranks` build orders; `Pipeline` runs one over
+microbatches for a model split into chunks, each chunk optionally on its own device.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import numbers
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxgraph import graphed as graphed_lib
+
+__all__ = [
+    "Pipeline",
+    "Plan",
+    "Step",
+    "StepResult",
+    "interleaved_1f1b",
+    "layers_per_chunk",
+    "merge_ranks",
+    "one_f_one_b",
+    "parse_order",
+    "schedule_table",
+    "table_to_order",
+    "zero_bubble",
+]
+
+StepKind = Literal["forward", "backward", "wgrad"]
+
+
+class Step(NamedTuple):
+  """One entry of an order: what runs, for which chunk and microbatch (both 0-based)."""
+
+  kind: StepKind
+  chunk: int
+  microbatch: int
+
+
+class Plan(NamedTuple):
+  """A validated order (`parse_order`).
+
+  Attributes:
+    steps: one `Step` per entry of the order, in order.
+    num_chunks: the number of model chunks (the largest chunk id).
+    num_microbatches: forwards (and backwards) per chunk.
+    has_wgrad: whether the order places the deferred weight gradients itself; without wgrad
+      entries, a `delay_wgrad` wgrad runs right after its backward.
+  """
+
+  steps: tuple[Step, ...]
+  num_chunks: int
+  num_microbatches: int
+  has_wgrad: bool
+
+
+def _entry(value: Any, position: int) -> Step:
+  """The kind and 0-based chunk of `order[position]` (microbatch filled in later)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"order[{position}] is {value!r}; an order holds chunk ids: c (forward), "
+                    "-c (backward), -c - 0.5 (deferred wgrad), with chunks numbered from 1.")
+  if value > 0:
+    if not isinstance(value, numbers.Integral):
+      raise TypeError(
+          f"order[{position}] is {value!r}, a {type(value).__name__}: forward entries must be "
+          f"ints (Transformer Engine: 'Forward order value must be an integer'). Write "
+          f"{int(value) if float(value).is_integer() else 'an int chunk id'}.")
+    return Step("forward", int(value) - 1, -1)
+  if value == 0:
+    raise ValueError(f"order[{position}] is 0; chunk ids start at 1 (+c forward, -c backward).")
+  if float(value).is_integer():
+    return Step("backward", int(-value) - 1, -1)
+  chunk = -float(value) - 0.5
+  if not chunk.is_integer():
+    raise ValueError(
+        f"order[{position}] is {value!r}; a wgrad entry is the chunk's backward entry minus 0.5 "
+        f"(-1.5 for chunk 1), so the order diff of wgrad and dgrad must be 0.5 "
+        f"(Transformer Engine's rule).")
+  if chunk < 1:
+    raise ValueError(f"order[{position}] is {value!r}, the wgrad entry of a chunk 0; chunk ids "
+                     "start at 1, so the wgrad entry of chunk 1 is -1.5.")
+  return Step("wgrad", int(chunk) - 1, -1)
+
+
+def parse_order(order: Sequence[float], *, delay_wgrad: bool = False) -> Plan:
+  """Validates a Transformer Engine `_order` and assigns microbatches to its entries.
+
+  The k-th `+c` is microbatch k of chunk c; backwards and wgrads of a chunk run in the order
+  of its forwards (first in, first out).
+
+  Args:
+    order: chunk ids: `c` forward, `-c` backward, `-c - 0.5` deferred wgrad (1-based).
+    delay_wgrad: whether the layers split their backward (`make_graphed(delay_wgrad=True)`);
+      wgrad entries need it.
+
+  Returns:
+    The `Plan`.
+
+  Raises:
+    TypeError: an entry is not a number, or a forward entry is not an int.
+    ValueError: a malformed entry (0, a wgrad entry not at -c - 0.5), wgrad entries without
+      `delay_wgrad`, forward/backward counts that do not give every chunk the same number of
+      microbatches, wgrad counts that do not match the backward counts, or an entry that runs
+      before what it needs (a forward before the previous chunk's forward of that microbatch,
+      a backward before its forward or before the next chunk's backward, a wgrad before its
+      backward).
+  """
+  if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
+    raise TypeError(f"order must be a sequence of chunk ids, got {type(order).__name__}.")
+  if not order:
+    raise ValueError("order is empty; give at least one forward and one backward per chunk, "
+                     "e.g. order=[1, -1].")
+  entries = [_entry(value, i) for i, value in enumerate(order)]
+  wgrads = [i for i, e in enumerate(entries) if e.kind == "wgrad"]
+  if wgrads and not delay_wgrad:
+    raise ValueError(
+        f"order[{wgrads[0]}] = {order[wgrads[0]]!r} is a deferred-wgrad entry, but the layers "
+        "do not split their backward (Transformer Engine: 'No module needs wgrad computation "
+        "but get float in order'). Build them with make_graphed(..., delay_wgrad=True), or "
+        "drop the wgrad entries.")
+  counts = collections.Counter((e.kind, e.chunk) for e in entries)
+  without_wgrad = len(entries) - len(wgrads)
+  num_chunks = 1 + max((e.chunk for e in entries if e.kind != "wgrad"), default=-1)
+  if num_chunks == 0:
+    raise ValueError("order has no forward or backward entries.")
+  num_microbatches = without_wgrad // num_chunks // 2
+  uneven = [c for c in range(num_chunks)
+            if counts["forward", c] != num_microbatches or counts["backward", c] != num_microbatches]
+  if num_microbatches == 0 or uneven:
+    per_chunk = ", ".join(f"chunk {c + 1}: {counts['forward', c]} forwards, "
+                          f"{counts['backward', c]} backwards" for c in range(num_chunks))
+    raise ValueError(
+        f"Pipeline-parallel order dimension mismatch: num_model_chunks ({num_chunks}) * "
+        f"num_microbatches ({num_microbatches}) * 2 = {num_chunks * num_microbatches * 2}, but "
+        f"the order has {without_wgrad} forward/backward entries. Every chunk 1..{num_chunks} "
+        f"needs the same number of forwards and backwards ({per_chunk}).")
+  if wgrads:
+    for c in range(num_chunks):
+      if counts["wgrad", c] != num_microbatches:
+        raise ValueError(
+            f"Number of wgrad entries ({counts['wgrad', c]}) doesn't match number of dgrad "
+            f"entries ({num_microbatches}) for chunk {c + 1}: when the order places wgrads, "
+            f"every backward -{c + 1} needs one later {-(c + 1) - 0.5} entry.")
+  done: dict[StepKind, list[int]] = {kind: [0] * num_chunks
+                                     for kind in ("forward", "backward", "wgrad")}
+  steps = []
+  for i, entry in enumerate(entries):
+    c = entry.chunk
+    m = done[entry.kind][c]
+    where = f"order[{i}] = {order[i]!r} ({entry.kind} of chunk {c + 1}, microbatch {m})"
+    if entry.kind == "forward" and c > 0 and done["forward"][c - 1] <= m:
+      raise ValueError(f"{where} runs before the forward of chunk {c} for that microbatch, "
+                       "which makes its input. Move it after that forward.")
+    if entry.kind == "backward":
+      if done["forward"][c] <= m:
+        raise ValueError(f"{where} runs before its forward. Move it after the forward.")
+      if c + 1 < num_chunks and done["backward"][c + 1] <= m:
+        raise ValueError(f"{where} runs before the backward of chunk {c + 2} for that "
+                         "microbatch, which makes its cotangent. Move it after that backward.")
+    if entry.kind == "wgrad" and done["backward"][c] <= m:
+      raise ValueError(f"{where} runs before its backward (dgrad). Move it after the backward.")
+    done[entry.kind][c] += 1
+    steps.append(Step(entry.kind, c, m))
+  return Plan(tuple(steps), num_chunks, num_microbatches, bool(wgrads))
+
+
+def layers_per_chunk(num_layers_per_chunk: int | Sequence[int] | None, num_chunks: int,
+                     num_layers: int) -> tuple[int, ...]:
+  """The number of layers of each chunk (Transformer Engine's `_num_layers_per_chunk`).
+
+  Args:
+    num_layers_per_chunk: None (split the layers evenly), an int (the same for every chunk),
+      or one int per chunk (uneven pipelines).
+    num_chunks: chunks in the order.
+    num_layers: callables given to `make_graphed`; chunk 1 is the first layers, and so on.
+
+  Raises:
+    ValueError: the layers do not split as asked.
+  """
+  if num_layers_per_chunk is None:
+    if num_layers % num_chunks:
+      raise ValueError(
+          f"the order has {num_chunks} chunks but there are {num_layers} callables, which do "
+          "not split evenly; pass num_layers_per_chunk=[...] (one int per chunk) for an uneven "
+          "pipeline.")
+    return (num_layers // num_chunks,) * num_chunks
+  if isinstance(num_layers_per_chunk, numbers.Integral):
+    sizes = (int(num_layers_per_chunk),) * num_chunks
+  else:
+    sizes = tuple(num_layers_per_chunk)
+    if len(sizes) != num_chunks:
+      raise ValueError(f"num_layers_per_chunk must be an int or a list of {num_chunks} ints "
+                       f"(one per chunk of the order), got {num_layers_per_chunk!r}.")
+  if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
+             for n in sizes):
+    raise ValueError(f"num_layers_per_chunk must hold ints >= 1, got {num_layers_per_chunk!r}.")
+  if sum(sizes) != num_layers:
+    raise ValueError(f"num_layers_per_chunk={num_layers_per_chunk!r} gives {sum(sizes)} layers "
+                     f"but there are {num_layers} callables; the callables are the layers of "
+                     "chunk 1, then chunk 2, and so on.")
+  return tuple(int(n) for n in sizes)
+
+
+def chunk_ranges(sizes: Sequence[int]) -> list[range]:
+  """The callable indices of each chunk, from the layers per chunk."""
+  ranges, start = [], 0
+  for size in sizes:
+    ranges.append(range(start, start + size))
+    start += size
+  return ranges
+
+
+def layer_steps(plan: Plan, sizes: Sequence[int]) -> Iterator[tuple[StepKind, int, int]]:
+  """`(kind, callable index, microbatch)` per layer: forwards in layer order, backwards and
+  wgrads reversed."""
+  ranges = chunk_ranges(sizes)
+  for step in plan.steps:
+    layers = ranges[step.chunk] if step.kind == "forward" else reversed(ranges[step.chunk])
+    for index in layers:
+      yield step.kind, index, step.microbatch
+
+
+# ------------------------------------------------------------------------------- builders
+
+
+def schedule_table(num_microbatches: int, num_model_chunks: int,
+                   microbatch_group_size: int) -> list[tuple[int, int]]:
+  """Megatron's interleaved schedule table: `(microbatch, chunk)` (0-based) per virtual
+  microbatch. Groups of `microbatch_group_size` microbatches go through every chunk in turn.
+  """
+  table = []
+  for first in range(0, num_microbatches, microbatch_group_size):
+    last = first + microbatch_group_size
+    if last >= num_microbatches:
+      last = num_microbatches
+    table.extend((m, c) for c in range(num_model_chunks) for m in range(first, last))
+  return table
+
+
+def table_to_order(table: Sequence[tuple[int, int]], num_warmup: int,
+                   num_model_chunks: int) -> list[int]:
+  """Megatron's `convert_schedule_table_to_order`: `num_warmup` forwards, then one forward
+  and one backward alternating, then the remaining backwards."""
+  forward = [c + 1 for _, c in table]
+  backward = [c - num_model_chunks for _, c in table]
+  order = forward[:num_warmup]
+  for i in range(num_warmup, len(forward)):
+    order += [forward[i], backward[i - num_warmup]]
+  if num_warmup > 0:
+    order += backward[-num_warmup:]
+  return order
+
+
+def _check_ints(**values: int) -> None:
+  for name, value in values.items():
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+
+
+def _check_rank(rank: int, pipeline_parallel_size: int) -> None:
+  if not isinstance(rank, numbers.Integral) or not 0 <= rank < pipeline_parallel_size:
+    raise ValueError(f"rank must be an int in [0, {pipeline_parallel_size}), got {rank!r}.")
+
+
+def interleaved_1f1b(num_microbatches: int, num_model_chunks: int, *,
+                     pipeline_parallel_size: int = 1, rank: int = 0,
+                     microbatch_group_size: int | None = None) -> list[int]:
+  """The interleaved-1F1B order of one pipeline rank, as Megatron builds it for TE.
+
+  Warmup forwards: `2 * (pipeline_parallel_size - rank - 1) + (num_model_chunks - 1) *
+  microbatch_group_size`, at most all of them (Megatron's rule).
+
+  Args:
+    num_microbatches: microbatches per step.
+    num_model_chunks: chunks (virtual stages) on this rank.
+    pipeline_parallel_size: pipeline ranks.
+    rank: this rank.
+    microbatch_group_size: microbatches per chunk before switching chunk (Megatron's
+      `microbatch_group_size_per_vp_stage`); defaults to `pipeline_parallel_size`.
+
+  Returns:
+    The order (ints), e.g. for 5 microbatches, 2 chunks, 2 ranks, group size 3 on rank 0:
+    `[1, 1, 1, 2, 2, 2, -2, 1, -2, 1, -2, 2, -1, 2, -1, -1, -2, -2, -1, -1]`.
+  """
+  group = pipeline_parallel_size if microbatch_group_size is None else microbatch_group_size
+  _check_ints(num_microbatches=num_microbatches, num_model_chunks=num_model_chunks,
+              pipeline_parallel_size=pipeline_parallel_size, microbatch_group_size=group)
+  _check_rank(rank, pipeline_parallel_size)
+  table = schedule_table(num_microbatches, num_model_chunks, group)
+  warmup = 2 * (pipeline_parallel_size - rank - 1) + (num_model_chunks - 1) * group
+  if num_model_chunks == 1:
+    warmup = pipeline_parallel_size - rank - 1
+  return table_to_order(table, min(warmup, len(table)), num_model_chunks)
+
+
+def one_f_one_b(num_microbatches: int, *, pipeline_parallel_size: int = 1,
+                rank: int = 0) -> list[int]:
+  """The 1F1B order of one pipeline rank (one chunk): `pipeline_parallel_size - rank - 1`
+  warmup forwards, then one forward and one backward alternating, then the backwards."""
+  return interleaved_1f1b(num_microbatches, 1, pipeline_parallel_size=pipeline_parallel_size,
+                          rank=rank)
+
+
+def zero_bubble(num_microbatches: int, *, pipeline_parallel_size: int = 1,
+                rank: int = 0) -> list[float]:
+  """A zero-bubble-style order (the ZB-H1 shape) of one pipeline rank (one chunk).
+
+  1F1B with every backward split into dgrad (`-1`) and a deferred wgrad (`-1.5`). A rank
+  keeps up to `pipeline_parallel_size - rank - 1` wgrads pending through the steady state
+  (its number of warmup forwards, so in-flight activations stay as in 1F1B) and runs one
+  after each cooldown dgrad, where 1F1B idles waiting for the next cotangent.
+  """
+  lag = pipeline_parallel_size - rank - 1
+  out: list[float] = []
+  pending = 0
+  remaining_forwards = num_microbatches
+  for entry in one_f_one_b(num_microbatches, pipeline_parallel_size=pipeline_parallel_size,
+                           rank=rank):
+    out.append(entry)
+    if entry > 0:
+      remaining_forwards -= 1
+      continue
+    pending += 1
+    if pending > lag or remaining_forwards == 0:
+      out.append(-1.5)
+      pending -= 1
+  return out + [-1.5] * pending
+
+
+def merge_ranks(rank_orders: Sequence[Sequence[float]]) -> list[float]:
+  """One order for a single controller from the orders of every pipeline rank.
+
+  Chunk `v` of rank `r` becomes global chunk `(v - 1) * len(rank_orders) + r + 1` (stage
+  order of an interleaved pipeline). The ranks advance in lockstep ticks: in each tick every
+  rank whose next entry has its inputs runs it; entries are listed tick by tick, rank by
+  rank. With chunks on different devices, asynchronous dispatch then overlaps the ranks.
+
+  Raises:
+    ValueError: the rank orders deadlock (an entry waits forever).
+  """
+  ranks = len(rank_orders)
+  plans = [parse_order(list(order), delay_wgrad=True) for order in rank_orders]
+  queues = [collections.deque(plan.steps) for plan in plans]
+  finished: set[tuple[StepKind, int, int]] = set()
+  last = max(plan.num_chunks for plan in plans) * ranks - 1
+
+  def ready(step: Step) -> bool:
+    g, m = step.chunk, step.microbatch
+    if step.kind == "forward":
+      return g == 0 or ("forward", g - 1, m) in finished
+    if step.kind == "backward":
+      return ("forward", g, m) in finished and (g == last or ("backward", g + 1, m) in finished)
+    return ("backward", g, m) in finished
+
+  merged: list[float] = []
+  while any(queues):
+    tick = []
+    for r, queue in enumerate(queues):
+      if not queue:
+        continue
+      local = queue[0]
+      step = Step(local.kind, local.chunk * ranks + r, local.microbatch)
+      if ready(step):
+        queue.popleft()
+        tick.append(step)
+    if not tick:
+      stuck = [f"rank {r}: {queue[0].kind} of chunk {queue[0].chunk + 1}, microbatch "
+               f"{queue[0].microbatch}" for r, queue in enumerate(queues) if queue]
+      raise ValueError("the rank orders deadlock; waiting: " + "; ".join(stuck) + ".")
+    for step in tick:
+      finished.add(tuple(step))
+      code = step.chunk + 1
+      merged.append(code if step.kind == "forward" else
+                    -code if step.kind == "backward" else -code - 0.5)
+  return merged
+
+
+# ------------------------------------------------------------------------------- driver
+
+
+@dataclasses.dataclass
+class StepResult:
+  """What one `Pipeline` call returns.
+
+  Attributes:
+    outputs: the last chunk's outputs, one per microbatch.
+    losses: the loss of each microbatch.
+    grads: `grads[c][l]`: the gradient of the params of layer `l` of chunk `c`, summed over
+      microbatches in microbatch order, on the chunk's device.
+    input_grads: the gradient of each microbatch's input.
+  """
+
+  outputs: list[Any]
+  losses: list[jax.Array]
+  grads: list[list[Any]]
+  input_grads: list[Any]
+
+
+def _vjp(layer: graphed_lib.GraphedCallable, args: tuple[Any, ...], microbatch: int) -> Any:
+  """`layer.vjp(*args)`, with hooks told the microbatch."""
+  leaves, treedef = layer._flatten(args, None, {})
+  with layer._exclusive():
+    return layer._forward(args, leaves, treedef, None, phase="replay",
+                          iteration=layer._replays, microbatch=microbatch, with_pullback=True)
+
+
+def _add(total: Any, grad: Any) -> Any:
+  return grad if total is None else jax.tree.map(jnp.add, total, grad)
+
+
+class Pipeline:
+  """Runs an order over microbatches for a model split into chunks (single controller).
+
+  Every chunk is a list of GraphedCallables taking `(params, x)` and returning the next `x`;
+  the last chunk's output goes to `loss_fn(output, target) -> scalar`, whose gradient (from
+  `jax.value_and_grad`, jitted once) starts the backward. With `devices`, chunk `c` runs on
+  `devices[c]`: its params are placed there, and activations and cotangents move between
+  chunks with `jax.device_put`. Dispatch is asynchronous, so chunks on different devices
+  overlap as the order allows. Capture the layers of chunk `c` with sample_args on
+  `devices[c]`, or their first call captures again for the new sharding.
+
+  Args:
+    chunks: one list of GraphedCallables per chunk (`order` chunk c is `chunks[c - 1]`).
+    order: the order (see `parse_order`); wgrad entries need layers built with
+      `delay_wgrad=True`. Without them, such layers run each wgrad right after its backward.
+    loss_fn: `loss_fn(output, target) -> scalar loss` of one microbatch.
+    devices: None (no placement), or one device per chunk.
+  """
+
+  def __init__(self, chunks: Sequence[Sequence[graphed_lib.GraphedCallable]],
+               order: Sequence[float], *, loss_fn: Callable[[Any, Any], jax.Array],
+               devices: Sequence[jax.Device] | None = None):
+    self.chunks = [list(chunk) for chunk in chunks]
+    layers = [layer for chunk in self.chunks for layer in chunk]
+    if not layers or any(not chunk for chunk in self.chunks):
+      raise ValueError("Pipeline needs at least one chunk, each with at least one layer.")
+    for layer in layers:
+      if not isinstance(layer, graphed_lib.GraphedCallable):
+        raise TypeError(f"Pipeline chunks hold GraphedCallables (from make_graphed), got "
+                        f"{type(layer).__name__}.")
+    delay = {layer._config.delay_wgrad for layer in layers}
+    if len(delay) > 1:
+      raise ValueError("some layers were built with delay_wgrad=True and some without; build "
+                       "every layer of a pipeline the same way.")
+    self.delay_wgrad = delay.pop()
+    self.plan = parse_order(order, delay_wgrad=self.delay_wgrad)
+    if self.plan.num_chunks != len(self.chunks):
+      raise ValueError(f"the order has {self.plan.num_chunks} chunks but Pipeline got "
+                       f"{len(self.chunks)}; chunk c of the order is chunks[c - 1].")
+    if devices is not None and len(devices) != len(self.chunks):
+      raise ValueError(f"Pipeline got {len(devices)} devices for {len(self.chunks)} chunks; "
+                       "pass one device per chunk, or None.")
+    self.devices = None if devices is None else list(devices)
+    self.loss_fn = loss_fn
+    self._loss_grad = jax.jit(jax.value_and_grad(loss_fn))
+
+  def _place(self, tree: Any, chunk: int) -> Any:
+    return tree if self.devices is None else jax.device_put(tree, self.devices[chunk])
+
+  def __call__(self, params: Sequence[Sequence[Any]], inputs: Sequence[Any],
+               targets: Sequence[Any]) -> StepResult:
+    """Runs the order once: every microbatch forward and backward through every chunk.
+
+    Args:
+      params: `params[c][l]`: the params of layer `l` of chunk `c`.
+      inputs: the input of each microbatch (to chunk 1).
+      targets: the target of each microbatch (to `loss_fn`).
+
+    Returns:
+      The `StepResult`.
+    """
+    plan, chunks = self.plan, self.chunks
+    count = plan.num_microbatches
+    if len(inputs) != count or len(targets) != count:
+      raise ValueError(f"the order runs {count} microbatches but Pipeline got "
+                       f"{len(inputs)} inputs and {len(targets)} targets.")
+    if len(params) != len(chunks) or any(len(p) != len(c) for p, c in zip(params, chunks)):
+      raise ValueError("params must hold one list per chunk with one params pytree per layer "
+                       f"(layers per chunk: {[len(c) for c in chunks]}).")
+    params = [self._place(list(p), c) for c, p in enumerate(params)]
+    last = len(chunks) - 1
+    acts: dict[tuple[int, int], Any] = {}      # (chunk, microbatch) -> output of the chunk
+    cts: dict[tuple[int, int], Any] = {}       # (chunk, microbatch) -> cotangent of its output
+    pullbacks: dict[tuple[int, int], list[graphed_lib.Pullback]] = {}
+    waiting: dict[tuple[int, int], list[graphed_lib.Pullback]] = {}
+    grads: list[list[Any]] = [[None] * len(chunk) for chunk in chunks]
+    result = StepResult([None] * count, [None] * count, grads, [None] * count)
+    for kind, c, m in plan.steps:
+      if kind == "forward":
+        x = self._place(inputs[m] if c == 0 else acts.pop((c - 1, m)), c)
+        chunk_pullbacks = []
+        for layer, p in zip(chunks[c], params[c]):
+          x, pullback = _vjp(layer, (p, x), m)
+          chunk_pullbacks.append(pullback)
+        pullbacks[c, m] = chunk_pullbacks
+        if c == last:
+          result.outputs[m] = x
+          result.losses[m], cts[c, m] = self._loss_grad(x, self._place(targets[m], c))
+        else:
+          acts[c, m] = x
+      elif kind == "backward":
+        ct = self._place(cts.pop((c, m)), c)
+        chunk_pullbacks = pullbacks.pop((c, m))
+        for l in reversed(range(len(chunk_pullbacks))):
+          g_params, ct = chunk_pullbacks[l](ct)
+          if not self.delay_wgrad:
+            grads[c][l] = _add(grads[c][l], g_params)
+          elif not plan.has_wgrad:
+            grads[c][l] = _add(grads[c][l], chunk_pullbacks[l].wgrad()[0])
+        if plan.has_wgrad:
+          waiting[c, m] = chunk_pullbacks
+        if c == 0:
+          result.input_grads[m] = ct
+        else:
+          cts[c - 1, m] = ct
+      else:
+        chunk_pullbacks = waiting.pop((c, m))
+        for l in reversed(range(len(chunk_pullbacks))):
+          grads[c][l] = _add(grads[c][l], chunk_pullbacks[l].wgrad()[0])
+    return result

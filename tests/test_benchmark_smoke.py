@@ -1,0 +1,38 @@
+"""Smoke test of benchmarks/bench.py at tiny sizes: it runs and reports every variant.
+
+No timing thresholds: timings belong in docs/performance.md, not in pass/fail tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_tiny_reports_every_variant(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  run = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--tiny", "--no-probes",
+       "--iters", "1", "--reps", "1", "--out", str(tmp_path)],
+      capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert run.returncode == 0, run.stderr[-4000:]
+  with open(tmp_path / "bench.json") as f:
+    result = json.load(f)
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import bench
+  finally:
+    sys.path.pop(0)
+  reported = {r["variant"]: r for r in result["records"]}
+  for name in bench.JAX_VARIANTS:
+    record = reported[name]
+    assert record["size"] == "tiny"
+    assert record["step"]["median"] > 0 and min(record["step_ms"]) > 0
+    assert record["capture_s"] > 0
+    assert record["host_us_per_executable"] > 0
+  for name in bench.TORCH_VARIANTS:
+    assert name in reported or name in result["meta"]["skipped"]
+  assert (tmp_path / "bench.png").exists() or "no plot" in run.stdout

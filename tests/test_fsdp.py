@@ -1,0 +1,255 @@
+"""jg.fsdp on 8 virtual CPU devices: placement rule, gather, training, HLO, shardings, memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import fsdp_worker
+import jaxgraph as jg
+from jaxgraph import fsdp
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return fsdp.make_mesh()
+
+
+@pytest.fixture(scope="module")
+def one_layer(mesh):
+  """One sharded layer's params and batch-sharded input."""
+  host_params, x, _ = fsdp_worker.host_data(1)
+  return fsdp.shard(host_params[0], mesh), jax.device_put(x, fsdp.batch_sharding(mesh))
+
+
+@pytest.fixture(scope="module")
+def graphed_layer(mesh, one_layer):
+  return jg.make_graphed(fsdp_worker.fsdp_block(mesh), sample_args=one_layer,
+                         num_warmup_iters=0)
+
+
+def _count(hlo: str, op: str) -> int:
+  return len(re.findall(rf"\b{op}(-start)?\(", hlo))
+
+
+def test_make_mesh_has_one_auto_axis(mesh):
+  assert mesh.axis_names == ("fsdp",)
+  assert mesh.axis_types == (AxisType.Auto,)
+  assert mesh.devices.size == 8
+  assert fsdp.make_mesh("data", jax.devices()[:4]).shape == {"data": 4}
+  with pytest.raises(ValueError, match="no devices"):
+    fsdp.make_mesh(devices=[])
+
+
+def test_partition_spec_shards_the_largest_divisible_dim():
+  assert fsdp.partition_spec((64, 256), 8) == P(None, "fsdp")
+  assert fsdp.partition_spec((256, 64), 8) == P("fsdp")        # no trailing None
+  assert fsdp.partition_spec((100, 64), 8) == P(None, "fsdp")    # 100 is not divisible
+  assert fsdp.partition_spec((64, 64), 8, "x") == P("x")       # ties: the first dim
+  assert fsdp.partition_spec((3, 4, 1024), 8) == P(None, None, "fsdp")
+
+
+def test_partition_spec_replicates_small_and_indivisible_leaves():
+  assert fsdp.partition_spec((256,), 8) == P()             # a bias: below min_size
+  assert fsdp.partition_spec((256,), 8, min_size=1) == P("fsdp")
+  assert fsdp.partition_spec((), 8) == P()
+  assert fsdp.partition_spec((100, 99), 8) == P()          # no dim divisible by 8
+  assert fsdp.partition_spec((4, 4096), 8) == P(None, "fsdp")
+
+
+def test_shard_places_every_leaf(mesh, one_layer):
+  params, _ = one_layer
+  specs = fsdp.shardings(params, mesh)
+  assert {k: v.spec for k, v in specs.items()} == {
+      "w1": P(None, "fsdp"), "w2": P("fsdp"), "b1": P()}
+  for k, v in params.items():
+    assert v.sharding == specs[k], k
+  assert params["w1"].addressable_shards[0].data.shape == (fsdp_worker.D, fsdp_worker.H // 8)
+  with pytest.raises(ValueError, match="not 'model'"):
+    fsdp.shard(params, mesh, "model")
+
+
+def test_gather_uses_the_mesh_set_by_set_mesh(mesh, one_layer):
+  params, _ = one_layer
+  with pytest.raises(ValueError, match="jax.set_mesh"):
+    jax.jit(fsdp.gather).lower(params)
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(fsdp.gather).lower(params).compile()
+    gathered = compiled(params)
+  assert _count(compiled.as_text(), "all-gather") == 2       # w1, w2 (b1 is replicated)
+  for k, v in gathered.items():
+    assert v.sharding.is_fully_replicated, k
+    assert np.array_equal(v, params[k]), k
+
+
+def test_graphed_fsdp_training_matches_unsharded_and_whole_step_jit(mesh):
+  losses, params, graphed = fsdp_worker.train_graphed(mesh)
+  plain_losses, plain_params, _ = fsdp_worker.train_graphed(None)
+  jit_losses, jit_params = fsdp_worker.train_jit(mesh)
+  assert losses[-1] < losses[0]
+  # One device vs 8: the unsharded batch sum is one reduction, the sharded one adds 8
+  # partial sums (all-reduce; reduce-scatter on GPU) in another order: float32 rounding.
+  np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+  for p, q in zip(params, plain_params):
+    for k in p:
+      np.testing.assert_allclose(p[k], q[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  # The whole-step jit runs the same sharded ops and collectives per layer: bitwise equal.
+  assert np.array_equal(losses, jit_losses)
+  for p, q in zip(params, jit_params):
+    for k in p:
+      assert np.array_equal(p[k], q[k]), k
+  assert [g.stats.captures for g in graphed] == [1, 0, 0]     # no recapture across steps
+
+
+def test_identical_fsdp_layers_compile_once(mesh):
+  host_params, x, _ = fsdp_worker.host_data(4)
+  params = [fsdp.shard(p, mesh) for p in host_params]
+  x = jax.device_put(x, fsdp.batch_sharding(mesh))
+  layers = jg.make_graphed([fsdp_worker.fsdp_block(mesh)] * 4,
+                           sample_args=[(p, x) for p in params], num_warmup_iters=0)
+  stats = [g.stats for g in layers]
+  assert [s.captures for s in stats] == [1, 0, 0, 0]
+  assert [s.cache_hits for s in stats] == [0, 1, 1, 1]
+  assert stats[0].compiles == 2                                # forward + backward
+  assert sum(s.compiles for s in stats) == 2
+
+
+def test_layer_hlo_gathers_weights_and_reduces_grads(graphed_layer):
+  (entry,) = graphed_layer._entries.values()
+  forward = entry.forward["explicit"].as_text()
+  backward = entry.backward["full"][0].as_text()
+  assert _count(forward, "all-gather") == 2                   # w1 and w2
+  assert _count(backward, "all-gather") == 2                  # re-gathered, not saved
+  # GPU: reduce-scatter. CPU has no ReduceScatterCreator pass: all-reduce + dynamic-slice.
+  assert (_count(backward, "reduce-scatter") >= 1
+          or (_count(backward, "all-reduce") >= 1 and _count(backward, "dynamic-slice") >= 1))
+
+
+def test_grads_come_back_with_the_weights_sharding(graphed_layer, one_layer):
+  params, x = one_layer
+  y, pullback = graphed_layer.vjp(params, x)
+  grads, g_x = pullback(jnp.ones_like(y))
+  for k, g in grads.items():
+    assert g.sharding == params[k].sharding, k
+  assert g_x.sharding == x.sharding
+  ref_grads, ref_gx = jax.vjp(fsdp_worker.block, jax.device_get(params), jax.device_get(x)
+                              )[1](np.ones(y.shape, np.float32))
+  # Batch sum over 8 shards + all-reduce vs one local sum: float32 rounding only.
+  for k, g in grads.items():
+    np.testing.assert_allclose(g, ref_grads[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  np.testing.assert_allclose(g_x, ref_gx, rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_wgrad_keeps_the_weights_sharding(mesh, one_layer, graphed_layer):
+  params, x = one_layer
+  split = jg.make_graphed(fsdp_worker.fsdp_block(mesh), sample_args=one_layer,
+                          num_warmup_iters=0, delay_wgrad=True)
+  (entry,) = split._entries.values()
+  # The wgrad re-gathers what it reads (w2, for the hidden cotangent), not a saved copy.
+  assert _count(entry.backward["wgrad"][0].as_text(), "all-gather") >= 1
+  y, pullback = split.vjp(params, x)
+  ct = jnp.ones_like(y)
+  (none, g_x), (grads, _) = pullback(ct), pullback.wgrad()
+  assert none is None and g_x.sharding == x.sharding
+  y_full, pullback_full = graphed_layer.vjp(params, x)
+  full_grads, full_gx = pullback_full(ct)
+  assert np.array_equal(y, y_full) and np.array_equal(g_x, full_gx)
+  for k, g in grads.items():
+    assert g.sharding == params[k].sharding, k
+    assert np.array_equal(g, full_grads[k]), k
+
+
+def test_residuals_hold_no_gathered_weights(mesh, one_layer, graphed_layer):
+  params, x = one_layer
+  batch = fsdp.batch_sharding(mesh)
+
+  def no_policy(p, x):
+    return jax.lax.with_sharding_constraint(fsdp_worker.block(fsdp.gather(p, mesh), x), batch)
+
+  holding = jg.make_graphed(no_policy, sample_args=one_layer, num_warmup_iters=0)
+  weight_shapes = {params["w1"].shape, params["w2"].shape}
+  gathered_bytes = sum(params[k].nbytes for k in ("w1", "w2"))   # one device, unsharded
+  (lean,), (fat,) = graphed_layer._entries.values(), holding._entries.values()
+  lean_fwd, fat_fwd = lean.forward["explicit"], fat.forward["explicit"]
+  lean_bwd, fat_bwd = lean.backward["full"][0], fat.backward["full"][0]
+  gathered = lambda e: [o for o in e.forward["explicit"].out_info[e.layout.n_out:]
+                        if o.shape in weight_shapes and o.sharding.is_fully_replicated]
+  # Without the policy the forward returns both gathered weights for the backward.
+  assert len(gathered(fat)) == 2
+  assert fat_fwd.memory_analysis().output_size_in_bytes >= gathered_bytes
+  assert fat_bwd.memory_analysis().argument_size_in_bytes >= gathered_bytes
+  # With it the residuals are the sharded inputs (not returned again) and one activation.
+  assert not gathered(lean)
+  assert lean_fwd.memory_analysis().output_size_in_bytes < params["w1"].nbytes // 2
+  assert lean_bwd.memory_analysis().argument_size_in_bytes < params["w1"].nbytes // 2
+  # The gathered weights are transient: in the temp buffers of this layer only.
+  assert lean_fwd.memory_analysis().temp_size_in_bytes < 2 * gathered_bytes
+  y, pullback = graphed_layer.vjp(params, x)
+  y_fat, pullback_fat = holding.vjp(params, x)
+  assert np.array_equal(y, y_fat)
+  ct = jnp.ones_like(y)
+  for a, b in zip(jax.tree.leaves(pullback(ct)), jax.tree.leaves(pullback_fat(ct))):
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("on_new_signature", ["error", "capture"])
+def test_replay_with_another_sharding(mesh, one_layer, on_new_signature):
+  params, x = one_layer
+  layer = jg.make_graphed(fsdp_worker.fsdp_block(mesh), sample_args=one_layer,
+                          num_warmup_iters=0, on_new_signature=on_new_signature)
+  replicated = jax.device_put(params, NamedSharding(mesh, P()))
+  if on_new_signature == "error":
+    with pytest.raises(TypeError, match=r"args\[0\]\['w1'\]: expected .* with sharding"):
+      layer(replicated, x)
+    return
+  y = layer(replicated, x)
+  assert layer.stats.captures == 2
+  assert np.array_equal(y, layer(params, x))
+  y, pullback = layer.vjp(replicated, x)
+  grads, _ = pullback(jnp.ones_like(y))
+  assert grads["w1"].sharding.is_fully_replicated
+
+
+def test_example_trains_with_sharded_weights():
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+  run = subprocess.run([sys.executable, str(root / "examples" / "fsdp_train.py"), "--steps",
+                        "3", "--layers", "2"], env=env, capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 0, run.stdout + run.stderr
+  assert "8 x cpu: captured 2 layers" in run.stdout and "captures [1, 0]" in run.stdout
+  assert "param shardings kept through training: True" in run.stdout
+  assert "forward {'all-gather': 2}" in run.stdout
+  losses = [float(line.split("loss ")[1]) for line in run.stdout.splitlines()
+            if line.startswith("step")]
+  assert len(losses) == 2 and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_benchmark_runs_on_cpu(tmp_path):
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root),
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  run = subprocess.run([sys.executable, str(root / "benchmarks" / "fsdp_bench.py"), "--tiny",
+                        "--iters", "1", "--reps", "1", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stdout + run.stderr
+  result = json.loads((tmp_path / "fsdp_bench.json").read_text())
+  memory = {r["variant"]: r for r in result["memory"]}
+  assert set(memory) == {"graphed", "jit"} and result["devices"] == 2
+  graphed = memory["graphed"]
+  # Residuals per layer are far below one gathered layer (no gathered weight among them).
+  assert graphed["analysis"]["forward"]["output"] < graphed["gathered_layer_bytes"] // 2
+  assert set(result["time"]["step_s"]) == {"graphed", "jit"}
