@@ -8,7 +8,7 @@ once more alone for its cold capture time and peak device memory, and the captur
 writes `bench.json` and `bench.png` to `--out`.
 
   PYTHONPATH=. python3 benchmarks/bench.py --sizes small medium --out /tmp/bench
-  PYTHONPATH=. python3 benchmarks/bench.py --tiny --out /tmp/bench   # CPU smoke run, seconds
+  PYTHONPATH=. python3 benchmarks/bench.py --tiny --out /tmp/bench   # tiny sizes, any backend
 
 Variants (step = forward + loss gradient + backward + SGD update):
   jaxgraph            make_graphed([block] * L, rng=True) + sequential_vjp; keys from each
@@ -23,8 +23,8 @@ Variants (step = forward + loss gradient + backward + SGD update):
                       (a diagnostic: the floor of per-layer replay; jaxgraph minus this is its
                       Python overhead)
   jaxgraph-raw-own    the same, with a loaded copy of the executables per layer (a diagnostic:
-                      XLA's command buffers are re-recorded when an executable's buffer
-                      addresses change, as they do when 12 layers share one executable)
+                      does it pay that each copy sees stable parameter addresses, for XLA's
+                      command buffers, where 12 layers share one executable otherwise?)
   jit-unrolled        one jax.jit of the whole step, layers unrolled
   jit-scan            one jax.jit of the whole step, layers in lax.scan
   torch-eager, torch-graphed (torch.cuda.make_graphed_callables), when torch sees a GPU
@@ -58,6 +58,8 @@ import jaxgraph as jg  # noqa: E402
 JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
                 "jaxgraph-fused", "jaxgraph-raw", "jaxgraph-raw-own", "jit-unrolled", "jit-scan")
 TORCH_VARIANTS = ("torch-eager", "torch-graphed")
+# Diagnostics: they capture exactly what jaxgraph captures, so they get no probe of their own.
+DIAGNOSTICS = ("jaxgraph-raw", "jaxgraph-raw-own")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -120,11 +122,10 @@ def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0:
 
     return Variant(name, fused_step, params, 0.0, executables=4, layers=(fused,))
   hooks = jg.Hooks(pre_forward=[_noop], backward=[_noop]) if name == "jaxgraph-hooks" else None
-  if name.startswith("jaxgraph-raw"):
-    layers = jg.make_graphed([block] * count, sample_args=[(p, x0) for p in params], rng=True)
-    return _raw(name, layers, params, x0, head, update)
   layers = jg.make_graphed([block] * count, hooks, sample_args=[(p, x0) for p in params],
                            rng=rng)
+  if name.startswith("jaxgraph-raw"):
+    return _raw(name, layers, params, x0, head, update)
   if name == "jaxgraph-keys":
     base = jax.random.key(2)
     split = _compile(lambda s: (tuple(jax.random.split(jax.random.fold_in(base, s), count)),
@@ -277,6 +278,17 @@ def run_jax(size: gpt.Size, names: list[str], attention: str | None, iters: int,
   return records
 
 
+def timing(config: dict[str, Any]) -> None:
+  """The JAX variants of every size, timed in this process; prints JSON lines."""
+  attention = config["attention"] or ("cudnn" if jax.default_backend() == "gpu" else None)
+  print(json.dumps(dict(meta=dict(machine(), attention=attention))), flush=True)
+  _warm_libraries(attention)
+  for size_name in config["sizes"]:
+    for record in run_jax(gpt.SIZES[size_name], config["variants"], attention, config["iters"],
+                          config["reps"]):
+      print(json.dumps(dict(record=record)), flush=True)
+
+
 def probe(config: dict[str, Any]) -> dict[str, Any]:
   """One variant built alone in this (fresh) process: cold capture time, peak memory."""
   if config.get("cache_dir"):
@@ -374,11 +386,12 @@ def plot(records: list[dict[str, Any]], path: str) -> bool:
     ax.barh(names, medians, xerr=errors, color=colors)
     for i, r in enumerate(rows):
       if r.get("x_unrolled"):
-        ax.text(medians[i], i, f" {r['x_unrolled']:.2f}x", va="center", fontsize=8)
+        ax.text(r["step"]["max"], i, f" {r['x_unrolled']:.2f}x", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("step time (ms), median and min-max")
     ax.set_title(f"{size}")
-  fig.suptitle("12-layer GPT stack, fwd + bwd + SGD (x = over whole-step jit, unrolled)")
+  fig.suptitle("GPT block stack, fwd + bwd + SGD (x: over whole-step jit, unrolled)",
+               fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return True
@@ -395,27 +408,35 @@ def main() -> None:
                       help="dot_product_attention implementation; default cudnn on GPU")
   parser.add_argument("--no-probes", action="store_true",
                       help="skip the fresh-process capture / memory / cache measurements")
+  parser.add_argument("--capture-sizes", nargs="*", default=None,
+                      help="sizes for the 1-layer and persistent-cache capture probes "
+                      "(default: all of --sizes)")
   parser.add_argument("--out", default=".", help="folder for bench.json and bench.png")
   parser.add_argument("--probe", help=argparse.SUPPRESS)
-  parser.add_argument("--torch", help=argparse.SUPPRESS)
+  parser.add_argument("--timing", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.probe:
     print(json.dumps(probe(json.loads(args.probe))), flush=True)
     return
+  if args.timing:
+    timing(json.loads(args.timing))
+    return
   if args.tiny:
     args.sizes, args.iters, args.reps = ["tiny"], min(args.iters, 3), min(args.reps, 3)
-  attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else None)
   unknown = set(args.variants) - set(JAX_VARIANTS + TORCH_VARIANTS)
   if unknown:
     parser.error(f"unknown variants {sorted(unknown)}")
   jax_names = [v for v in JAX_VARIANTS if v in args.variants]
   torch_names = [v for v in TORCH_VARIANTS if v in args.variants]
-  meta = dict(machine(), command=" ".join(sys.argv), attention=attention, iters=args.iters,
-              reps=args.reps, skipped={})
-  _warm_libraries(attention)
-  records = []
-  for size_name in args.sizes:
-    records += run_jax(gpt.SIZES[size_name], jax_names, attention, args.iters, args.reps)
+  # This process never touches the device: each measurement runs in a process of its own,
+  # so that none of them finds the GPU's memory held by another.
+  lines = _subprocess([os.path.abspath(__file__), "--timing", json.dumps(dict(
+      sizes=args.sizes, variants=jax_names, attention=args.attention, iters=args.iters,
+      reps=args.reps))])
+  meta = dict(lines[0]["meta"], command=" ".join(sys.argv), iters=args.iters, reps=args.reps,
+              skipped={})
+  attention = meta["attention"]
+  records = [line["record"] for line in lines[1:]]
   torch_missing = torch_available() if torch_names else "not asked for"
   if torch_missing is None:
     sizes = [dataclasses.asdict(gpt.SIZES[s]) for s in args.sizes]
@@ -427,15 +448,14 @@ def main() -> None:
     meta["skipped"].update({name: torch_missing for name in torch_names})
   capture = {}
   if not args.no_probes:
-    memory = jax.devices()[0].memory_stats() is not None
     for r in records:
-      if r["framework"] == "jax":
+      if r["framework"] == "jax" and r["variant"] not in DIAGNOSTICS:
         # A fresh process per variant: no in-process compile caches, a clean memory peak.
         result = run_probe(dict(size=r["size"], variant=r["variant"], attention=attention))
         r["capture_s"] = result["capture_s"]
-        r["peak_bytes"] = result["peak_bytes"] if memory else None
+        r["peak_bytes"] = result["peak_bytes"]
         r["probe_compile_s"] = result["compile_s"]
-    for size_name in args.sizes:
+    for size_name in (args.sizes if args.capture_sizes is None else args.capture_sizes):
       full = [r for r in records if r["size"] == size_name and r["variant"] == "jaxgraph"]
       capture[size_name] = capture_probes(gpt.SIZES[size_name], attention,
                                           full[0]["capture_s"] if full else None)

@@ -30,7 +30,7 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size("tiny", d=32, heads=2, seq=8, batch=2, layers=3),
+    "tiny": Size("tiny", d=32, heads=2, seq=8, batch=2, layers=2),
     "small": Size("small", d=512, heads=8, seq=256, batch=8, layers=12),
     "medium": Size("medium", d=2048, heads=16, seq=1024, batch=8, layers=12),
 }

@@ -16,6 +16,11 @@ resumed run continues exactly where the interrupted one stopped. Outputs in `--o
 `loss.png`, `metrics.json`, `checkpoints/`.
 
 The text is examples/data/corpus.txt (self-written fables, see make_corpus.py).
+
+Bitwise resume holds on CPU as is. On GPU, XLA's default kernels are not run-to-run
+deterministic (atomics, e.g. in the embedding gradient's scatter-add): two identical runs
+differ in the last bits. Set XLA_FLAGS=--xla_gpu_deterministic_ops=true for bitwise reruns
+and resumes (measured on an H100: bitwise, at ~18% lower throughput).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import functools
 import hashlib
 import json
 import pathlib
+import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +49,7 @@ import jaxgraph.flax as jgf
 import jaxgraph.rng
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
+Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +226,7 @@ class LayerTimer:
 # ------------------------------------------------------------------------------- training
 
 
-def make_update(tx: optax.GradientTransformation):
+def make_update(tx: optax.GradientTransformation) -> Any:
   @functools.partial(jax.jit, donate_argnums=(1, 2))
   def update(grads, opt_state, params):
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -227,7 +234,9 @@ def make_update(tx: optax.GradientTransformation):
   return update
 
 
-def graphed_step(layers, update, params, opt_state, tokens, targets):
+def graphed_step(layers: Sequence[jg.GraphedCallable], update: Any, params: Params,
+                 opt_state: Any, tokens: jax.Array, targets: jax.Array
+                 ) -> tuple[Params, Any, jax.Array]:
   """One training step: graphed forwards, graphed backwards in reverse, one AdamW update."""
   embed, blocks, head = layers[0], layers[1:-1], layers[-1]
   x, embed_pullback = embed.vjp(params[0], tokens)
@@ -240,7 +249,8 @@ def graphed_step(layers, update, params, opt_state, tokens, targets):
   return params, opt_state, loss
 
 
-def make_whole_step(layers, tx: optax.GradientTransformation):
+def make_whole_step(layers: Sequence[jg.GraphedCallable], tx: optax.GradientTransformation
+                    ) -> Any:
   """The same step as one `jax.jit`: graphed layers called with tracers run their function."""
 
   def loss_fn(params, tokens, targets, keys):
@@ -258,13 +268,89 @@ def make_whole_step(layers, tx: optax.GradientTransformation):
   return step
 
 
-def stream_keys(streams: list[tuple[jax.Array, int]], step_offset: int) -> list[jax.Array]:
+Streams = list[tuple[jax.Array, int]]
+
+
+def stream_positions(layers: Sequence[jg.GraphedCallable]) -> Streams:
+  """Each layer's key stream: (base key, keys drawn so far)."""
+  return [(layer.rng_base_key, layer.rng_counter) for layer in layers]
+
+
+def stream_keys(streams: Streams, step_offset: int) -> list[jax.Array]:
   """The keys the layers' own streams draw `step_offset` steps after `streams` (one per step)."""
   return [jaxgraph.rng.stream_key(i, counter + step_offset, base)
           for i, (base, counter) in enumerate(streams)]
 
 
-def params_digest(params: Any) -> str:
+class Checkpoints:
+  """Orbax checkpoints of the params, the optimizer state and each layer's stream position."""
+
+  def __init__(self, directory: pathlib.Path):
+    self.directory = directory.absolute()
+    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, enable_async_checkpointing=False))
+
+  @staticmethod
+  def _tree(params: Params, opt_state: Any, streams: Streams) -> dict[str, Any]:
+    return {"params": params, "opt_state": opt_state,
+            "streams": [{"key": jax.random.key_data(base),
+                         "counter": np.asarray(counter, np.uint32)} for base, counter in streams]}
+
+  def save(self, step: int, params: Params, opt_state: Any,
+           layers: Sequence[jg.GraphedCallable]) -> None:
+    self.manager.save(step, args=ocp.args.StandardSave(
+        self._tree(params, opt_state, stream_positions(layers))))
+
+  def restore(self, params: Params, opt_state: Any, layers: Sequence[jg.GraphedCallable]
+              ) -> tuple[int, Params, Any] | None:
+    """Restores the latest checkpoint into the layers' streams; None if there is none.
+
+    `params` and `opt_state` give the structure (the values are replaced)."""
+    step = self.manager.latest_step()
+    if step is None:
+      return None
+    target = self._tree(params, opt_state, stream_positions(layers))
+    restored = self.manager.restore(step, args=ocp.args.StandardRestore(target))
+    for layer, stream in zip(layers, restored["streams"]):
+      layer.seed(jax.random.wrap_key_data(stream["key"]), counter=int(stream["counter"]))
+    return step, restored["params"], restored["opt_state"]
+
+
+def compare_with_whole_step(layers: Sequence[jg.GraphedCallable], tx: optax.GradientTransformation,
+                            start: tuple[Params, Any, Streams], corpus: Corpus,
+                            steps: range, losses: list[float], params: Params) -> dict[str, Any]:
+  """Reruns `steps` from `start` under one whole-step `jax.jit` with the same keys.
+
+  Returns the differences to the graphed run's `losses` (one per step) and final `params`,
+  and the whole step's compile time and throughput.
+  """
+  check_params, check_state, streams = start
+  tokens, targets = corpus.batch_at(steps[0])
+  begin = time.perf_counter()
+  whole_step = make_whole_step(layers, tx).lower(
+      check_params, check_state, tokens, targets, stream_keys(streams, 0)).compile()
+  compile_seconds = time.perf_counter() - begin
+  begin, check_losses = time.perf_counter(), []
+  for offset, step in enumerate(steps):
+    tokens, targets = corpus.batch_at(step)
+    check_params, check_state, loss = whole_step(check_params, check_state, tokens, targets,
+                                                 stream_keys(streams, offset))
+    check_losses.append(loss)
+  check_losses = [float(loss) for loss in check_losses]
+  seconds = time.perf_counter() - begin
+  return {
+      "max_loss_diff": max(abs(a - b) for a, b in zip(losses, check_losses)),
+      "first_loss_diff": abs(losses[0] - check_losses[0]),
+      "last_loss_diff": abs(losses[-1] - check_losses[-1]),
+      "max_param_diff": max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                            zip(jax.tree.leaves(params), jax.tree.leaves(check_params))),
+      "whole_step_compile_seconds": round(compile_seconds, 3),
+      "whole_step_tokens_per_second": round(
+          len(steps) * corpus.batch * corpus.context / seconds, 1),
+  }
+
+
+def params_digest(params: Params) -> str:
   digest = hashlib.sha256()
   for leaf in jax.tree.leaves(params):
     digest.update(np.asarray(leaf).tobytes())
@@ -288,7 +374,7 @@ def plot(losses: list[float], path: pathlib.Path, title: str) -> None:
   plt.close(fig)
 
 
-def sample(model: GPT, params: list[nnx.State], corpus: Corpus, chars: int, seed: int) -> str:
+def sample(model: GPT, params: Params, corpus: Corpus, chars: int, seed: int) -> str:
   """Writes trained params back into the NNX model and samples text from it (eval mode)."""
   nnx.update(model, jgf.join_states(model, model.layers(), params))
   model.eval()
@@ -310,7 +396,7 @@ def progress(step: int, total: int, loss: float, tokens_per_second: float,
           f"{tokens_per_second:>9,.0f} tok/s | {ms_per_step:6.1f} ms/step")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
   parser.add_argument("--steps", type=int, help="total steps (default: the preset's)")
@@ -322,6 +408,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--sample", type=int, default=200, help="characters to sample at the end")
   args = parser.parse_args(argv)
+  if (args.steps is not None and args.steps < 1) or (
+      args.stop_after is not None and args.stop_after < 1):
+    parser.error("--steps and --stop-after take a number of steps >= 1")
+  return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  args = parse(argv)
   preset = PRESETS[args.preset]
   total = args.steps or preset.steps
   stop = min(total, args.stop_after or total)
@@ -343,10 +437,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   sample_args = ([(params[0], tokens)] + [(p, x) for p in params[1:-1]]
                  + [(params[-1], x, targets)])
   timer = LayerTimer()
-  start = time.perf_counter()
+  begin = time.perf_counter()
   layers = jg.make_graphed(list(fns), timer.hooks(), sample_args=sample_args,
                            rng=jax.random.key(args.seed))
-  capture_seconds = time.perf_counter() - start
+  capture_seconds = time.perf_counter() - begin
   print(f"captured {len(layers)} layers in {capture_seconds:.1f} s (incl. warmup):")
   for name, layer in zip(names, layers):
     s = layer.stats
@@ -362,38 +456,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   # like params).
   update = make_update(tx).lower(params, opt_state, params).compile()
 
-  manager = ocp.CheckpointManager(
-      (args.out / "checkpoints").absolute(),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False))
+  if not args.resume and (args.out / "checkpoints").exists():
+    print(f"starting afresh: removing the checkpoints of an earlier run in {args.out} "
+          "(pass --resume to continue it)")
+    shutil.rmtree(args.out / "checkpoints")
+  checkpoints = Checkpoints(args.out / "checkpoints")
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []
-  if args.resume and manager.latest_step() is not None:
-    first = manager.latest_step()
-    target = {"params": params, "opt_state": opt_state,
-              "streams": [{"key": jax.random.key_data(g.rng_base_key),
-                           "counter": np.zeros((), np.uint32)} for g in layers]}
-    restored = manager.restore(first, args=ocp.args.StandardRestore(target))
-    params, opt_state = restored["params"], restored["opt_state"]
-    for layer, stream in zip(layers, restored["streams"]):
-      layer.seed(jax.random.wrap_key_data(stream["key"]), counter=int(stream["counter"]))
+  restored = checkpoints.restore(params, opt_state, layers) if args.resume else None
+  if restored is not None:
+    first, params, opt_state = restored
     losses = json.loads(metrics_path.read_text())["losses"][:first]
-    print(f"resumed from step {first} ({args.out / 'checkpoints'})")
+    print(f"resumed from step {first} ({checkpoints.directory})")
   elif args.resume:
     print("no checkpoint to resume from; starting at step 0")
-
-  def save(step: int) -> None:
-    losses.extend(float(l) for l in pending)
-    pending.clear()
-    streams = [{"key": jax.random.key_data(g.rng_base_key),
-                "counter": np.asarray(g.rng_counter, np.uint32)} for g in layers]
-    manager.save(step, args=ocp.args.StandardSave(
-        {"params": params, "opt_state": opt_state, "streams": streams}))
-    metrics_path.write_text(json.dumps({"step": step, "losses": losses}))
-
   if args.check:
     check_start = (jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state),
-                   [(g.rng_base_key, g.rng_counter) for g in layers])
+                   stream_positions(layers))
 
+  # Training. Losses stay on the device until a log line or a checkpoint needs them.
   pending: list[jax.Array] = []
   seconds = 0.0
   tokens_per_step = preset.batch * preset.context
@@ -403,25 +484,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timer.armed = step % preset.log_every == 0
     params, opt_state, loss = graphed_step(layers, update, params, opt_state, tokens, targets)
     pending.append(loss)
-    if step % preset.log_every == 0 or step == stop:
+    log = step % preset.log_every == 0 or step == stop
+    save = step % preset.checkpoint_every == 0 or step == stop
+    if log or save:
       losses.extend(float(l) for l in pending)
       pending.clear()
+    if log:
       elapsed = time.perf_counter() - mark
       seconds += elapsed
       done = step - mark_step
       print(progress(step, total, losses[-1], done * tokens_per_step / elapsed,
                      1e3 * elapsed / done), flush=True)
-    if step % preset.checkpoint_every == 0 or step == stop:
-      save(step)
-    if step % preset.log_every == 0:
+    if save:
+      checkpoints.save(step, params, opt_state, layers)
+      metrics_path.write_text(json.dumps({"step": step, "losses": losses}))
+    if log:
       mark, mark_step = time.perf_counter(), step  # checkpoint time is not training time
-  manager.wait_until_finished()
   timer.armed = False
 
   run_steps = stop - first
   result: dict[str, Any] = {
-      "preset": args.preset, "step": stop, "losses": losses,
-      "final_loss": losses[-1] if losses else None,
+      "preset": args.preset, "step": stop, "losses": losses, "final_loss": losses[-1],
       "train_seconds": round(seconds, 3), "capture_seconds": round(capture_seconds, 3),
       "tokens_per_second": round(run_steps * tokens_per_step / seconds, 1) if seconds else None,
       "params_sha256": params_digest(params),
@@ -434,43 +517,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{row.get('backward', float('nan')):8.3f}")
 
   if args.check and run_steps:
-    check_params, check_state, streams = check_start
-    tokens, targets = corpus.batch_at(first + 1)
-    start = time.perf_counter()
-    whole_step = make_whole_step(layers, tx).lower(
-        check_params, check_state, tokens, targets, stream_keys(streams, 0)).compile()
-    whole_compile_seconds = time.perf_counter() - start
-    start, check_losses = time.perf_counter(), []
-    for offset, step in enumerate(range(first + 1, stop + 1)):
-      tokens, targets = corpus.batch_at(step)
-      check_params, check_state, loss = whole_step(check_params, check_state, tokens, targets,
-                                                   stream_keys(streams, offset))
-      check_losses.append(loss)
-    check_losses = [float(l) for l in check_losses]
-    whole_seconds = time.perf_counter() - start
-    loss_diff = max(abs(a - b) for a, b in zip(losses[first:], check_losses))
-    param_diff = max(float(jnp.max(jnp.abs(a - b)))
-                     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(check_params)))
-    result["check"] = {
-        "max_loss_diff": loss_diff, "max_param_diff": param_diff,
-        "first_loss_diff": abs(losses[first] - check_losses[0]),
-        "whole_step_compile_seconds": round(whole_compile_seconds, 3),
-        "whole_step_tokens_per_second": round(run_steps * tokens_per_step / whole_seconds, 1)}
-    print(f"--check: one whole-step jax.jit (compiled in {whole_compile_seconds:.1f} s, "
-          f"{result['check']['whole_step_tokens_per_second']:,.0f} tok/s without hooks or "
-          f"checkpoints) vs graphed over {run_steps} steps: max |loss diff| {loss_diff:.3g} "
-          f"(first step {result['check']['first_loss_diff']:.3g}), max |param diff| "
-          f"{param_diff:.3g}.")
-    if loss_diff or param_diff:
-      print("  Not bitwise: the whole step is one fused executable, where XLA may round a "
-            "reduction differently across layer boundaries; training then amplifies the last-"
-            "bit differences. Per layer the math is bitwise the same (tests/test_flax.py).")
+    check = compare_with_whole_step(layers, tx, check_start, corpus, range(first + 1, stop + 1),
+                                    losses[first:], params)
+    result["check"] = check
+    print(f"--check: one whole-step jax.jit (compiled in {check['whole_step_compile_seconds']:.1f}"
+          f" s, {check['whole_step_tokens_per_second']:,.0f} tok/s without hooks or "
+          f"checkpoints) vs graphed over {run_steps} steps: max |loss diff| "
+          f"{check['max_loss_diff']:.3g} (first step {check['first_loss_diff']:.3g}, last step "
+          f"{check['last_loss_diff']:.3g}), max |param diff| {check['max_param_diff']:.3g}.")
+    if check["max_loss_diff"] or check["max_param_diff"]:
+      print("  Not bitwise: the whole step is one fused executable, where XLA may fuse and "
+            "round a reduction differently across layer boundaries (and on GPU pick other "
+            "GEMM algorithms); training then amplifies the last-bit differences. Per layer "
+            "the math is bitwise the same (tests/test_flax.py).")
 
   plot(losses, args.out / "loss.png", f"char GPT ({args.preset}), graphed per layer")
   metrics_path.write_text(json.dumps(result, indent=1))
   print(f"final loss {result['final_loss']:.4f} after step {stop}; "
         f"{result['tokens_per_second'] or 0:,.0f} tok/s; wrote {args.out / 'loss.png'}, "
-        f"{metrics_path}, {args.out / 'checkpoints'}")
+        f"{metrics_path}, {checkpoints.directory}")
   if args.sample:
     print("sample:\n" + sample(model, params, corpus, args.sample, args.seed))
   return result

@@ -21,5 +21,6 @@ __all__ = [
     "fsdp",
     "is_capturing",
     "make_graphed",
+    "schedule",
     "sequential_vjp",
 ]

@@ -7,7 +7,6 @@ unflatten the residuals with the VJP treedef kept on the host (anchors-jax.md §
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import time
 import warnings
@@ -81,22 +80,13 @@ class _Timer:
   seconds: float = 0.0
 
   def compile(self, traced: Any) -> Any:
-    return self.compile_all([traced])[0]
-
-  def compile_all(self, traced: Sequence[Any]) -> list[Any]:
-    """Lowers in order, then compiles concurrently (XLA compiles without holding the GIL)."""
     start = time.perf_counter()
     with warnings.catch_warnings():
       # Residual donation is best effort: XLA may find no output to reuse a buffer for.
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      lowered = [t.lower() for t in traced]
-      if len(lowered) == 1:
-        compiled = [lowered[0].compile()]
-      else:
-        with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-          compiled = list(pool.map(lambda low: low.compile(), lowered))
+      compiled = traced.lower().compile()
     self.seconds += time.perf_counter() - start
-    self.compiles += len(compiled)
+    self.compiles += 1
     return compiled
 
 
@@ -232,15 +222,12 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
         stacklevel=4)
   arg_specs = [sig_lib.abstract(s) for s in signature.leaves]
   kinds: tuple[ForwardKind, ...] = ("explicit", "stream") if rng else ("explicit",)
-  traced_forward = {}
+  forward = {}
   for kind in kinds:
     specs = (_stream_prefix() + arg_specs if kind == "stream"
              else arg_specs + ([rng_lib.key_spec()] if rng else []))
     fwd = _forward_fn(closed, layout, kind, outputs_only=False, offload=offload)
-    traced_forward[kind] = jax.jit(fwd).trace(*specs)
-  # The backward takes the residuals as the compiled explicit forward places them; the other
-  # executables then compile concurrently.
-  forward = {"explicit": timer.compile(traced_forward.pop("explicit"))}
+    forward[kind] = timer.compile(jax.jit(fwd).trace(*specs))
   out_info = forward["explicit"].out_info
   in_specs = arg_specs + ([rng_lib.key_spec()] if rng else [])
   bwd_specs = ([in_specs[i] for i in layout.needed_inputs]
@@ -251,7 +238,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
   # Offloaded residuals are host buffers: donating them frees no device memory, and XLA would
   # alias them to device outputs (the result then has the wrong memory kind and aborts).
   donate = () if offload else tuple(range(first_kept, first_kept + layout.n_kept))
-  traced_backward = {}
+  compiled_backward = {}
   for position, (kind, select) in enumerate(backward):
     last = position == len(backward) - 1
     # Each gradient comes back with its input's sharding (FSDP: reduce-scattered weight
@@ -261,11 +248,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
               if any(s is not None for s in grad_shardings) else {})
     bwd = jax.jit(_backward_fn(layout, select, offload), donate_argnums=donate if last else (),
                   **placed)
-    traced_backward[kind] = bwd.trace(*bwd_specs)
-  compiled = dict(zip([*traced_forward, *traced_backward],
-                      timer.compile_all([*traced_forward.values(), *traced_backward.values()])))
-  forward.update((kind, compiled[kind]) for kind in traced_forward)
-  compiled_backward = {kind: (compiled[kind], select) for kind, select in backward}
+    compiled_backward[kind] = (timer.compile(bwd.trace(*bwd_specs)), select)
   return Executables(signature=signature, layout=layout, forward=forward,
                      backward=compiled_backward, closed_jaxpr=closed, offload=offload,
                      compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds)

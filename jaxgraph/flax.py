@@ -114,9 +114,9 @@ def nnx_layer(module: nnx.Module, *, wrt: Any = nnx.Param,
     raise ValueError(
         f"nnx_layer: {type(module).__name__} holds state that is neither params nor RNG "
         f"state: {found}. A graphed layer returns only its outputs, so updates to that state "
-        "(e.g. BatchNorm statistics) would be lost. Select it with wrt=(nnx.Param, "
-        "<its type>) to pass it as an argument (it then gets gradients too), or use a "
-        "stateless layer (LayerNorm instead of BatchNorm).")
+        "(e.g. BatchNorm statistics) would be lost. Use a stateless layer (LayerNorm instead "
+        "of BatchNorm), or, for state the layer only reads, select it with wrt=(nnx.Param, "
+        "<its type>) to pass it in as an argument (it then gets gradients too).")
   tags = sorted({variable.tag for _, variable in nnx.to_flat_state(rng_state)
                  if isinstance(variable, nnx.RngKey)})
   fn = NnxLayer(type(module).__name__, graphdef, rng_state, tuple(tags), rngs_argument)

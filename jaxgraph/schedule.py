@@ -140,7 +140,7 @@ def parse_order(order: Sequence[float], *, delay_wgrad: bool = False) -> Plan:
     raise ValueError("order has no forward or backward entries.")
   num_microbatches = without_wgrad // num_chunks // 2
   uneven = [c for c in range(num_chunks)
-            if counts["forward", c] != num_microbatches or counts["backward", c] != num_microbatches]
+            if (counts["forward", c], counts["backward", c]) != (num_microbatches,) * 2]
   if num_microbatches == 0 or uneven:
     per_chunk = ", ".join(f"chunk {c + 1}: {counts['forward', c]} forwards, "
                           f"{counts['backward', c]} backwards" for c in range(num_chunks))
@@ -192,6 +192,9 @@ def layers_per_chunk(num_layers_per_chunk: int | Sequence[int] | None, num_chunk
   Raises:
     ValueError: the layers do not split as asked.
   """
+  if num_layers < num_chunks:
+    raise ValueError(f"the order has {num_chunks} chunks but there are only {num_layers} "
+                     "callables; every chunk needs at least one layer (callable).")
   if num_layers_per_chunk is None:
     if num_layers % num_chunks:
       raise ValueError(

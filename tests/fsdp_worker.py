@@ -71,7 +71,7 @@ def train_graphed(mesh: Mesh | None, steps: int = STEPS, layers: int = LAYERS
     params, layer_fn, specs = jax.tree.map(jnp.asarray, host_params), block, None
     x, t = jnp.asarray(x), jnp.asarray(t)
   else:
-    params, layer_fn = [fsdp.shard(p, mesh) for p in host_params], fsdp_block(mesh)
+    params, layer_fn = fsdp.shard(host_params, mesh), fsdp_block(mesh)
     specs = fsdp.shardings(host_params, mesh)
     x, t = jax.device_put((x, t), fsdp.batch_sharding(mesh))
   graphed = jg.make_graphed([layer_fn] * layers, sample_args=[(p, x) for p in params],
@@ -101,7 +101,7 @@ def train_jit(mesh: Mesh, steps: int = STEPS, layers: int = LAYERS
               ) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
   """The same training as one whole-step `jax.jit` (FSDP layers, same optimizer)."""
   host_params, x, t = host_data(layers)
-  params = [fsdp.shard(p, mesh) for p in host_params]
+  params = fsdp.shard(host_params, mesh)
   x, t = jax.device_put((x, t), fsdp.batch_sharding(mesh))
   layer_fn = fsdp_block(mesh)
   optimizer = optax.adam(1e-2)

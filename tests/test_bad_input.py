@@ -37,12 +37,23 @@ _ref_push = jax.jit(lambda p, x: jax.vjp(layer, p, x))
 _ref_pull = jax.jit(lambda v, ct: v(ct))
 
 
+def _same_bits(x: Any, y: Any) -> bool:
+  x, y = np.asarray(x), np.asarray(y)
+  if (x.dtype, x.shape) != (y.dtype, y.shape):
+    return False
+  if jnp.issubdtype(x.dtype, jnp.inexact):  # NaNs: same positions; sign/payload unspecified
+    nan = np.isnan(x.astype(np.float32))
+    if not np.array_equal(nan, np.isnan(y.astype(np.float32))):
+      return False
+    x, y = x[~nan], y[~nan]
+  return x.tobytes() == y.tobytes()
+
+
 def bitwise(a: Any, b: Any) -> bool:
+  """Same pytree, dtypes, shapes and bytes (NaNs compared by position)."""
   la, ta = jax.tree.flatten(a)
   lb, tb = jax.tree.flatten(b)
-  return ta == tb and all(
-      np.asarray(x).dtype == np.asarray(y).dtype and np.asarray(x).shape == np.asarray(y).shape
-      and np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+  return ta == tb and all(_same_bits(x, y) for x, y in zip(la, lb))
 
 
 def snapshot(g: jg.GraphedCallable) -> tuple[Any, ...]:

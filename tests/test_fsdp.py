@@ -113,7 +113,7 @@ def test_graphed_fsdp_training_matches_unsharded_and_whole_step_jit(mesh):
 
 def test_identical_fsdp_layers_compile_once(mesh):
   host_params, x, _ = fsdp_worker.host_data(4)
-  params = [fsdp.shard(p, mesh) for p in host_params]
+  params = fsdp.shard(host_params, mesh)
   x = jax.device_put(x, fsdp.batch_sharding(mesh))
   layers = jg.make_graphed([fsdp_worker.fsdp_block(mesh)] * 4,
                            sample_args=[(p, x) for p in params], num_warmup_iters=0)

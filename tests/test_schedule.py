@@ -5,6 +5,10 @@ and property tests over random valid and invalid orders."""
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -283,6 +287,8 @@ def test_sample_args_and_layer_validation():
     _graph([1, 2, -2, -1], count=3, num_layers_per_chunk=2)
   with pytest.raises(ValueError, match="a list of 2 ints"):
     _graph([1, 2, -2, -1], count=3, num_layers_per_chunk=[1, 1, 1])
+  with pytest.raises(ValueError, match="3 chunks but there are only 2 callables"):
+    _graph([1, 2, 3, -3, -2, -1])
   with pytest.raises(ValueError, match="only applies with order"):
     jg.make_graphed([block], sample_args=[(params[0], x)], num_layers_per_chunk=1)
 
@@ -385,6 +391,20 @@ def test_two_devices_match_one_device():
   # One compile per function x signature: a signature includes the device.
   assert [layer.stats.captures for layer in two] == [1, 0, 1, 0]
   assert [layer.stats.fallbacks for layer in two] == [0] * 4
+
+
+def test_example_trains_over_two_devices_like_one():
+  example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "pipeline_1f1b.py"
+  result = subprocess.run(
+      [sys.executable, str(example), "--zero-bubble", "--compare", "--steps", "2"],
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  out = result.stdout
+  assert "weights bitwise equal to one device: True" in out
+  assert "captures per layer: [1, 0, 1, 0] compiles: 6" in out
+  losses = [float(line.split("mean loss ")[1]) for line in out.splitlines()
+            if "mean loss" in line]
+  assert len(losses) == 4 and losses[1] < losses[0]
 
 
 # ------------------------------------------------------------------------ property tests
