@@ -6,7 +6,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 
 class LeafSpec(NamedTuple):
@@ -27,6 +27,18 @@ class Signature(NamedTuple):
 
 
 _default_shardings: set[Sharding] = set()
+_canonical: dict[Sharding, Sharding] = {}
+
+
+def _canonicalize(sharding: Sharding) -> Sharding:
+  """One object per placement: `P("fsdp", None)` and `P("fsdp")` place a leaf the same way,
+  and XLA reports outputs in the short form, so params would change signature after a step."""
+  if isinstance(sharding, NamedSharding):
+    spec = tuple(sharding.spec)
+    while spec and spec[-1] is None:
+      spec = spec[:-1]
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+  return sharding
 
 
 def _sharding_key(sharding: Sharding | None) -> Sharding | None:
@@ -36,7 +48,12 @@ def _sharding_key(sharding: Sharding | None) -> Sharding | None:
     device = jax.devices()[0]
     _default_shardings.update(
         {SingleDeviceSharding(device), SingleDeviceSharding(device, memory_kind="device")})
-  return None if sharding in _default_shardings else sharding
+  if sharding in _default_shardings:
+    return None
+  canonical = _canonical.get(sharding)
+  if canonical is None:
+    canonical = _canonical[sharding] = _canonicalize(sharding)
+  return canonical
 
 
 def leaf_spec(leaf: Any) -> LeafSpec:

@@ -246,3 +246,15 @@ def test_keyword_arguments_are_rejected():
     g(params, x=x)
   with pytest.raises(TypeError, match="rng=False"):
     g(params, x, key=jax.random.key(0))
+
+
+def test_equivalent_partition_specs_are_one_signature():
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  long = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", None))
+  short = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  params = init_mlp(jax.random.key(0), D, H)
+  g = jg.make_graphed(mlp, sample_args=(params, jax.device_put(jnp.ones((T, D)), long)),
+                      num_warmup_iters=0, on_new_signature="error")
+  y = g(params, jax.device_put(jnp.ones((T, D)), short))
+  assert trees_equal(y, g(params, jax.device_put(jnp.ones((T, D)), long)))
+  assert g.stats.captures == 1
