@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import gpt
 import jaxgraph as jg

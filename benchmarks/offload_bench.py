@@ -14,7 +14,10 @@ num_warmup_iters=0 so the peak after capture (compilation, autotuning) and the p
 the first steps are told apart; activation memory is the peak minus the bytes in use before
 capture (parameters and input), so it includes the gradients the backward returns.
 Time: one process builds all variants and alternates them, `--reps` rounds of `--iters`
-steps; median per step. Gradients of the first step are compared bitwise across variants.
+steps; median per step. Gradients of the first step are compared bitwise across variants,
+and the first variant's step is repeated to show whether the GPU computes the same bits
+twice at all (for this model it needs XLA_FLAGS=--xla_gpu_deterministic_ops=true). The same
+process times a 1 GiB device -> pinned_host copy and back: the transfer floor per byte.
 
   PYTHONPATH=. python3 benchmarks/offload_bench.py --out /tmp/offload          # one GPU
   PYTHONPATH=. python3 benchmarks/offload_bench.py --tiny --out /tmp/offload   # CPU smoke run

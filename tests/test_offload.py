@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgraph as jg
 from jaxgraph import offload as offload_lib
@@ -204,19 +204,12 @@ def test_per_callable_offload_all_but_last_k():
   assert trees_equal(_train(layers, params, x), _train(plain, params, x))
 
 
-def test_offload_with_fsdp_sharded_params():
-  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
-  sharded = NamedSharding(mesh, P("fsdp"))
-  replicated = NamedSharding(mesh, P())
-
-  def layer(p, x):
-    w1 = jax.lax.with_sharding_constraint(p["w1"], replicated)
-    w2 = jax.lax.with_sharding_constraint(p["w2"], replicated)
-    return x + jnp.tanh(x @ w1 + p["b1"]) @ w2
-
-  params = [jax.device_put(init_mlp(k, D, H), sharded)
+def test_offload_with_fsdp():
+  mesh = jg.fsdp.make_mesh()
+  layer = jg.fsdp.remat(lambda p, x: mlp(jg.fsdp.gather(p, mesh), x))
+  params = [jg.fsdp.shard(init_mlp(k, D, H), mesh, min_size=1)
             for k in jax.random.split(jax.random.key(0), 2)]
-  x = jax.device_put(jnp.ones((T, D)), replicated)
+  x = jax.device_put(jnp.ones((T, D)), NamedSharding(mesh, P()))
   samples = [(p, x) for p in params]
   offloaded = jg.make_graphed([layer] * 2, sample_args=samples, offload_residuals=True)
   plain = jg.make_graphed([layer] * 2, sample_args=samples)
@@ -224,7 +217,7 @@ def test_offload_with_fsdp_sharded_params():
   got, want = _train(offloaded, params, x), _train(plain, params, x)
   assert trees_equal(got, want)
   grads = got[0][1]
-  assert grads[0]["w1"].sharding.spec == sharded.spec
+  assert grads[0]["w1"].sharding == params[0]["w1"].sharding
 
 
 def test_inference_call_keeps_no_residuals():

@@ -188,7 +188,19 @@ def assert_bitwise(got: Any, want: Any, what: str) -> None:
     assert a.tobytes() == b.tobytes(), f"{what} leaf {i} differs:\n{a}\nvs\n{b}"
 
 
+DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def _require_deterministic_reductions() -> None:
+  """On GPU, two different executables may order a reduction differently (atomics) unless
+  XLA is told to be deterministic; bitwise comparisons need the flag there."""
+  if jax.devices()[0].platform == "gpu" and DETERMINISTIC_GPU_FLAG not in os.environ.get(
+      "XLA_FLAGS", ""):
+    pytest.skip(f"bitwise comparisons on GPU need XLA_FLAGS={DETERMINISTIC_GPU_FLAG}")
+
+
 def _check_stack(s: Stack) -> None:
+  _require_deterministic_reductions()
   TRIED.append(s)
   fns = [KINDS[kind] for kind, _ in s.layers]
   params, x0, keys = _make_inputs(s)
