@@ -135,6 +135,8 @@ def backward_flops(name: str) -> dict[str, float]:
   return flops
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="cost_analysis counts GEMM "
+                    "FLOPs on CPU; on GPU the GEMMs are library calls it does not count")
 def test_backward_flops_of_split_mlp():
   """dgrad is the activation-gradient chain; wgrad recomputes all of it but its last matmul,
   so the split costs one extra `ct @ w2.T` (2 * batch * hidden * width FLOPs) for a 2-matmul
@@ -149,6 +151,8 @@ def test_backward_flops_of_split_mlp():
   assert matmul <= overhead <= matmul + elementwise
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="cost_analysis counts GEMM "
+                    "FLOPs on CPU; on GPU the GEMMs are library calls it does not count")
 def test_backward_flops_of_split_gpt_block():
   """In a GPT block every weight but the last feeds later matmuls, and ln1's scale and bias
   need the cotangent of ln1's output, i.e. even the input gradient of the first matmul: wgrad
