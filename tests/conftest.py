@@ -2,7 +2,13 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_flags = ["--xla_force_host_platform_device_count=8"]
+if os.environ.get("JAXGRAPH_TEST_GPU"):
+  # Bitwise comparisons between two executables need deterministic GPU reductions.
+  _flags.append("--xla_gpu_deterministic_ops=true")
+_given = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join(
+    [_given, *(f for f in _flags if f.split("=")[0] not in _given)]).strip()
 if "gpu" not in os.environ.get("PYTEST_ADDOPTS", "") and not os.environ.get("JAXGRAPH_TEST_GPU"):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
