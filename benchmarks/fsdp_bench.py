@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -37,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import gpt
+import harness
 import jaxgraph as jg
 from jaxgraph import fsdp
 
@@ -111,22 +111,15 @@ def build(size: gpt.Size, variant: str, attention: str | None, warmup: int) -> S
                dict(step=_analysis(compiled)))
 
 
-def _memory() -> dict[str, int] | None:
-  stats = [d.memory_stats() for d in jax.local_devices()]
-  if not all(stats):
-    return None
-  return {k: max(int(s[k]) for s in stats) for k in ("bytes_in_use", "peak_bytes_in_use")}
-
-
 def measure_memory(size: gpt.Size, variant: str, attention: str | None) -> dict[str, Any]:
   """One variant, alone in this process: bytes in use and peaks around capture and steps."""
-  before = _memory()
+  before = harness.device_memory()
   setup = build(size, variant, attention, warmup=0)
-  after_capture = _memory()
+  after_capture = harness.device_memory()
   params = setup.step(setup.params, 0)
   params = setup.step(params, 1)
   jax.block_until_ready(params)
-  after_steps = _memory()
+  after_steps = harness.device_memory()
   one_layer = params[0]
   result: dict[str, Any] = dict(
       kind="memory", variant=variant, devices=jax.device_count(), analysis=setup.analysis,
@@ -155,16 +148,6 @@ def measure_time(size: gpt.Size, variants: list[str], attention: str | None, ite
       times[v].append((time.perf_counter() - start) / iters)
   return dict(kind="time", iters=iters, reps=reps,
               step_s={v: statistics.median(t) for v, t in times.items()}, step_s_all=times)
-
-
-def _child(args: list[str], timeout: float) -> dict[str, Any]:
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-  out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
-                       text=True, env=env, timeout=timeout)
-  lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
-  if out.returncode != 0 or not lines:
-    return dict(args=args, error=out.stderr[-4000:], returncode=out.returncode)
-  return json.loads(lines[-1])
 
 
 def _mib(value: float | None) -> str:
@@ -219,10 +202,12 @@ def main() -> None:
       platform=platform.platform(), command=" ".join(sys.argv),
       xla_flags=os.environ.get("XLA_FLAGS", ""), memory=[])
   for v in args.variants:
-    results["memory"].append(_child(["--child", "memory", "--variants", v, *common], 600))
+    results["memory"].append(
+        harness.run_child(__file__, ["--child", "memory", "--variants", v, *common], 600))
     print(json.dumps(results["memory"][-1])[:2000], flush=True)
-  results["time"] = _child(["--child", "time", "--variants", *args.variants, "--iters",
-                            str(args.iters), "--reps", str(args.reps), *common], 900)
+  results["time"] = harness.run_child(
+      __file__, ["--child", "time", "--variants", *args.variants, "--iters", str(args.iters),
+                 "--reps", str(args.reps), *common], 900)
   print(json.dumps(results["time"])[:2000], flush=True)
   results["table"] = report(results)
   if args.out:

@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -42,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gpt
+import harness
 import jaxgraph as jg
 from jaxgraph import offload as offload_lib
 
@@ -111,25 +111,18 @@ def grads_digest(grads: list[Any]) -> str:
   return digest.hexdigest()
 
 
-def _memory() -> dict[str, int] | None:
-  stats = jax.devices()[0].memory_stats()
-  if not stats:
-    return None
-  return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use")}
-
-
 def measure_memory(size: gpt.Size, variant: str, attention: str | None) -> dict[str, Any]:
   """One variant, alone in this process: bytes in use and peaks around capture and steps."""
   prepared = prepare(size)
-  before = _memory()
+  before = harness.device_memory()
   setup = build(size, variant, attention, prepared, warmup=0)
-  after_capture = _memory()
+  after_capture = harness.device_memory()
   grads = setup.step(0)
   jax.block_until_ready(grads)
   digest = grads_digest(grads)
   del grads
   setup.step(1)
-  after_steps = _memory()
+  after_steps = harness.device_memory()
   result: dict[str, Any] = dict(kind="memory", variant=variant,
                                 residual_bytes=[residual_bytes(l) for l in setup.layers],
                                 grads_sha256=digest)
@@ -192,16 +185,6 @@ def transfer_seconds(nbytes: int, repeats: int = 5) -> dict[str, float]:
   return out
 
 
-def _child(args: list[str], timeout: float) -> dict[str, Any]:
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-  out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True,
-                       text=True, env=env, timeout=timeout)
-  lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
-  if out.returncode != 0 or not lines:
-    return dict(args=args, error=out.stderr[-4000:], returncode=out.returncode)
-  return json.loads(lines[-1])
-
-
 def _summary(result: dict[str, Any]) -> str:
   """One result for the log: the end of an error, the start of anything else."""
   if "error" in result:
@@ -260,10 +243,12 @@ def main() -> None:
       jax=jax.__version__, device=jax.devices()[0].device_kind, platform=platform.platform(),
       command=" ".join(sys.argv), xla_flags=os.environ.get("XLA_FLAGS", ""), memory=[])
   for v in args.variants:
-    results["memory"].append(_child(["--child", "memory", "--variants", v, *common], 600))
+    results["memory"].append(
+        harness.run_child(__file__, ["--child", "memory", "--variants", v, *common], 600))
     print(_summary(results["memory"][-1]), flush=True)
-  results["time"] = _child(["--child", "time", "--variants", *args.variants, "--iters",
-                            str(args.iters), "--reps", str(args.reps), *common], 900)
+  results["time"] = harness.run_child(
+      __file__, ["--child", "time", "--variants", *args.variants, "--iters", str(args.iters),
+                 "--reps", str(args.reps), *common], 900)
   print(_summary(results["time"]), flush=True)
   digests = {r.get("grads_sha256") for r in results["memory"]}
   results["memory_grads_identical"] = len(digests) == 1 and None not in digests
