@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import warnings
 from typing import Any, Callable, Literal, NamedTuple, Sequence
@@ -56,12 +57,14 @@ class Config:
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-def _arg_ranges(treedef: Any) -> list[tuple[Any, int, int]]:
+@functools.lru_cache(maxsize=None)
+def _arg_ranges(treedef: Any) -> tuple[tuple[Any, int, int], ...]:
+  """(treedef, first leaf, end leaf) of each positional argument; cached per structure."""
   ranges, start = [], 0
   for child in treedef.children():
     ranges.append((child, start, start + child.num_leaves))
     start += child.num_leaves
-  return ranges
+  return tuple(ranges)
 
 
 def _backward_plan(config: Config, signature: sig_lib.Signature
@@ -82,7 +85,11 @@ def _float0_like(spec: sig_lib.LeafSpec) -> np.ndarray:
 def _assemble(entry: capture_lib.Executables, values: Sequence[Any], select: tuple[int, ...],
               argnums: tuple[int, ...] | None) -> tuple[Any, ...]:
   """Gradients per positional argument, like `jax.vjp`; args outside `argnums` are None."""
-  leaves: list[Any] = [_float0_like(s) for s in entry.signature.leaves]
+  leaves: list[Any] = [None] * len(entry.signature.leaves)
+  differentiated = set(entry.layout.diff)
+  for leaf, spec in enumerate(entry.signature.leaves):
+    if leaf not in differentiated:
+      leaves[leaf] = _float0_like(spec)  # like jax.vjp: float0 zeros for integer inputs
   for leaf, value in zip(select, values):
     leaves[leaf] = value
   return tuple(
@@ -377,27 +384,22 @@ class GraphedCallable:
     if stream_mode:
       base, counter = self._next_stream_key(stream)
       prefix = [base, self._index_array, counter]
-    if not with_pullback:
+    if with_pullback:
+      exe = entry.forward[kind]
+    else:
       exe, seconds = capture_lib.inference_forward(entry, kind)
       if seconds:
         self._compiles += 1
         self._compile_seconds += seconds
-      if stream_mode:
-        values = exe(*prefix, *inputs)
-        *values, _, new_counter = values
-        if stream is None:
-          self._counter = new_counter
-      else:
-        values = exe(*inputs)
-      return (jax.tree.unflatten(layout.out_treedef, values),)
     if stream_mode:
-      values = entry.forward["stream"](*prefix, *inputs)
-      *values, derived, new_counter = values
+      *values, derived, new_counter = exe(*prefix, *inputs)
       inputs = inputs + [derived]
       if stream is None:
         self._counter = new_counter
     else:
-      values = entry.forward["explicit"](*inputs)
+      values = exe(*inputs)
+    if not with_pullback:
+      return (jax.tree.unflatten(layout.out_treedef, values),)
     outs, kept = values[:layout.n_out], values[layout.n_out:]
     out = jax.tree.unflatten(layout.out_treedef, outs)
     needed_inputs = [inputs[i] for i in layout.needed_inputs]
