@@ -17,8 +17,8 @@ Variants (step = forward + loss gradient + backward + SGD update):
   jaxgraph-hooks      the same as jaxgraph, with a no-op pre_forward and backward replay hook
                       on every layer
   jaxgraph-nodropout  rng=False, no dropout
-  jaxgraph-fused      make_graphed of one callable running all L blocks: one forward and one
-                      backward executable (what boundary fusion of hook-free layers would give)
+  jaxgraph-fuse       the same as jaxgraph with sequential_vjp(..., fuse=True): boundary fusion
+                      replays the hook-free stack as one forward and one backward executable
   jaxgraph-raw        jaxgraph's own executables called from a bare loop, no jaxgraph Python
                       (a diagnostic: the floor of per-layer replay; jaxgraph minus this is its
                       Python overhead)
@@ -56,7 +56,7 @@ import gpt  # noqa: E402
 import jaxgraph as jg  # noqa: E402
 
 JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
-                "jaxgraph-fused", "jaxgraph-raw", "jaxgraph-raw-own", "jit-unrolled", "jit-scan")
+                "jaxgraph-fuse", "jaxgraph-raw", "jaxgraph-raw-own", "jit-unrolled", "jit-scan")
 TORCH_VARIANTS = ("torch-eager", "torch-graphed")
 # Diagnostics: they capture exactly what jaxgraph captures, so they get no probe of their own.
 DIAGNOSTICS = ("jaxgraph-raw", "jaxgraph-raw-own")
@@ -107,20 +107,6 @@ def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0:
   rng = name != "jaxgraph-nodropout"
   head = _compile(jax.grad(gpt.loss), x0)
   update = _compile(gpt.sgd, params, params, donate=(0,))
-  if name == "jaxgraph-fused":
-    def stack(ps: list[Any], x: jax.Array, *, key: jax.Array) -> jax.Array:
-      for p, k in zip(ps, jax.random.split(key, len(ps))):
-        x = block(p, x, key=k)
-      return x
-
-    fused = jg.make_graphed(stack, sample_args=(params, x0), rng=True)
-
-    def fused_step(ps: list[Any]) -> list[Any]:
-      y, pullback = fused.vjp(ps, x0)
-      grads, _ = pullback(head(y))
-      return update(ps, grads)
-
-    return Variant(name, fused_step, params, 0.0, executables=4, layers=(fused,))
   hooks = jg.Hooks(pre_forward=[_noop], backward=[_noop]) if name == "jaxgraph-hooks" else None
   layers = jg.make_graphed([block] * count, hooks, sample_args=[(p, x0) for p in params],
                            rng=rng)
@@ -141,12 +127,15 @@ def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0:
     return Variant(name, keys_step, (params, jnp.int32(0)), 0.0, executables=2 * count + 3,
                    layers=layers)
 
+  fuse = name == "jaxgraph-fuse"
+
   def step(ps: list[Any]) -> list[Any]:
-    y, pullback = jg.sequential_vjp(layers, ps, x0)
+    y, pullback = jg.sequential_vjp(layers, ps, x0, fuse=fuse)
     grads, _ = pullback(head(y))
     return update(ps, grads)
 
-  return Variant(name, step, params, 0.0, executables=2 * count + 2, layers=layers)
+  return Variant(name, step, params, 0.0, executables=4 if fuse else 2 * count + 2,
+                 layers=layers)
 
 
 def _load_copy(compiled: Any) -> Any:
@@ -160,10 +149,10 @@ def _raw(name: str, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x
   layout = entry.layout
   backward, select = entry.backward["full"]
   assert select == tuple(range(layout.n_args)), "every argument leaf takes a gradient"
-  forwards = [entry.forward["stream"]] * len(layers)
+  forwards = [entry.forward["stream", True]] * len(layers)
   backwards = [backward] * len(layers)
   if name == "jaxgraph-raw-own":
-    forwards = [_load_copy(entry.forward["stream"]) for _ in layers]
+    forwards = [_load_copy(entry.forward["stream", True]) for _ in layers]
     backwards = [_load_copy(backward) for _ in layers]
   base = jax.random.key(0)
   indices = [jnp.uint32(i) for i in range(len(layers))]

@@ -54,7 +54,7 @@ def main() -> None:
   layers, params = variant.layers, variant.state
   x = gpt.init_input(size)
   [entry] = layers[0]._entries.values()
-  forward = entry.forward["stream"]
+  forward = entry.forward["stream", True]
   base, counter = jax.random.key(0), jnp.uint32(0)
   indices = [jnp.uint32(i) for i in range(len(layers))]
   leaves = [[*jax.tree.leaves(p), x] for p in params]

@@ -92,7 +92,7 @@ def build(size: gpt.Size, variant: str, attention: str | None, warmup: int) -> S
       return update(params, grads)
 
     (entry,) = layers[0]._entries.values()
-    analysis = dict(forward=_analysis(entry.forward["explicit"]),
+    analysis = dict(forward=_analysis(entry.forward["explicit", True]),
                     backward=_analysis(entry.backward["full"][0]))
     return Setup(params, step, analysis)
 

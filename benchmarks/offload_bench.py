@@ -98,7 +98,7 @@ def residual_bytes(layer: jg.GraphedCallable) -> dict[str, int]:
   """Bytes of the residuals one forward keeps, by memory kind (from the compiled forward)."""
   (entry,) = layer._entries.values()
   out: dict[str, int] = {}
-  for o in entry.forward["explicit"].out_info[entry.layout.n_out:]:
+  for o in entry.forward["explicit", True].out_info[entry.layout.n_out:]:
     kind = o.sharding.memory_kind
     out[kind] = out.get(kind, 0) + int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize
   return out

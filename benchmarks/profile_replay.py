@@ -79,7 +79,7 @@ def host_profile(variant: bench.Variant, steps: int) -> str:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--size", default="small", choices=list(gpt.SIZES))
-  parser.add_argument("--variants", nargs="+", default=["jaxgraph", "jaxgraph-fused",
+  parser.add_argument("--variants", nargs="+", default=["jaxgraph", "jaxgraph-fuse",
                                                         "jit-unrolled"])
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--attention", default=None)

@@ -112,7 +112,7 @@ def main() -> None:
   print(f"param shardings kept through training: {kept}")
 
   (entry,) = layers[0]._entries.values()
-  forward, backward = entry.forward["explicit"], entry.backward["full"][0]
+  forward, backward = entry.forward["explicit", True], entry.backward["full"][0]
   gathered = sum(np.dtype(leaf.dtype).itemsize * leaf.size for leaf in host_params[0].values())
   print(f"one layer: forward {collectives(forward)}, backward {collectives(backward)}")
   print(f"bytes per device (one gathered layer: {gathered:,}):")

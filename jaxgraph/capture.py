@@ -33,8 +33,8 @@ Source = tuple[Literal["in", "out", "kept"], int]
 class Layout:
   """How flat values cross from a forward executable to its backward executables."""
 
-  n_args: int                       # argument leaves; the key, if any, is input n_args
-  has_key: bool
+  n_args: int                       # argument leaves; the keys, if any, follow them
+  n_keys: int                       # 0 without rng; 1, or one per function of a fused chain
   out_treedef: Any
   out_specs: tuple[jax.ShapeDtypeStruct, ...]
   res_treedef: Any
@@ -60,14 +60,15 @@ class Executables:
 
   signature: sig_lib.Signature
   layout: Layout
-  forward: dict[ForwardKind, Any]
+  # (kind, with residuals) -> compiled; the one capture replays first is compiled eagerly,
+  # the others on first use (`forward_executable`)
+  forward: dict[tuple[ForwardKind, bool], Any]
   # name -> (compiled, argument leaves whose grads it returns)
   backward: dict[BackwardKind, tuple[Any, tuple[int, ...]]]
   closed_jaxpr: Any
   offload: bool
   compiles: int
   compile_seconds: float
-  inference: dict[ForwardKind, Any] = dataclasses.field(default_factory=dict)
 
 
 def _is_inexact(dtype: Any) -> bool:
@@ -90,25 +91,28 @@ class _Timer:
     return compiled
 
 
-def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
+def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
                   name: str) -> tuple[Any, Layout]:
   """Traces `fn` once through `jax.vjp`; returns the closed jaxpr and the residual layout.
 
-  The jaxpr maps `(*arg_leaves[, key])` to `[*output_leaves, *kept_residuals]`.
+  The jaxpr maps `(*arg_leaves, *keys)` to `[*output_leaves, *kept_residuals]`. `fn` gets
+  `key=` one key when `n_keys == 1`, a tuple of `n_keys` keys when more (a fused chain).
   """
   n_args = len(signature.leaves)
   diff = tuple(i for i, s in enumerate(signature.leaves) if _is_inexact(s.dtype))
   found: dict[str, Any] = {}
 
   def forward(*flat):
-    arg_leaves, key = list(flat[:n_args]), (flat[n_args] if rng else None)
+    arg_leaves, keys = list(flat[:n_args]), flat[n_args:]
 
     def primal(*diff_leaves):
       leaves = list(arg_leaves)
       for i, leaf in zip(diff, diff_leaves):
         leaves[i] = leaf
       args = jax.tree.unflatten(signature.treedef, leaves)
-      return fn(*args, key=key) if rng else fn(*args)
+      if not keys:
+        return fn(*args)
+      return fn(*args, key=keys[0] if n_keys == 1 else tuple(keys))
 
     out, vjp_fn = jax.vjp(primal, *[arg_leaves[i] for i in diff])
     out_leaves, out_treedef = jax.tree.flatten(out)
@@ -126,9 +130,7 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: 
                  n_kept=len(kept))
     return [*out_leaves, *kept]
 
-  in_specs = [sig_lib.abstract(s) for s in signature.leaves]
-  if rng:
-    in_specs.append(rng_lib.key_spec())
+  in_specs = [sig_lib.abstract(s) for s in signature.leaves] + [rng_lib.key_spec()] * n_keys
   traced = jax.jit(forward).trace(*in_specs)
   out_info = traced.out_info
   n_out = len(out_info) - found["n_kept"]
@@ -139,7 +141,7 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: 
       raise TypeError(f"{name} returned a float0 value at output leaf {i}.")
   sources = found["sources"]
   layout = Layout(
-      n_args=n_args, has_key=rng, out_treedef=found["out_treedef"], out_specs=out_specs,
+      n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"], out_specs=out_specs,
       res_treedef=found["res_treedef"], sources=sources, n_kept=found["n_kept"], diff=diff,
       needed_inputs=tuple(sorted({i for kind, i in sources if kind == "in"})),
       needed_outputs=tuple(sorted({i for kind, i in sources if kind == "out"})))
@@ -159,16 +161,22 @@ def _forward_fn(closed: Any, layout: Layout, kind: ForwardKind, *, outputs_only:
   if kind == "explicit":
     return lambda *flat: finish(run(*flat))
 
-  def stream_forward(base, index, counter, *arg_leaves):
-    key = rng_lib.derive_key(base, index, counter)
-    return [*finish(run(*arg_leaves, key)), key, counter + 1]
+  def stream_forward(*flat):
+    # (base, index, counter) per key, then the argument leaves
+    streams, arg_leaves = flat[:3 * layout.n_keys], flat[3 * layout.n_keys:]
+    keys = [rng_lib.derive_key(*streams[i:i + 3]) for i in range(0, len(streams), 3)]
+    return [*finish(run(*arg_leaves, *keys)), *keys, *(c + 1 for c in streams[2::3])]
 
   return stream_forward
 
 
-def _stream_prefix() -> list[jax.ShapeDtypeStruct]:
-  return [rng_lib.key_spec(), jax.ShapeDtypeStruct((), jnp.uint32),
-          jax.ShapeDtypeStruct((), jnp.uint32)]
+def _forward_specs(signature: sig_lib.Signature, layout: Layout,
+                   kind: ForwardKind) -> list[jax.ShapeDtypeStruct]:
+  arg_specs = [sig_lib.abstract(s) for s in signature.leaves]
+  if kind == "explicit":
+    return arg_specs + [rng_lib.key_spec()] * layout.n_keys
+  counter = jax.ShapeDtypeStruct((), jnp.uint32)
+  return [rng_lib.key_spec(), counter, counter] * layout.n_keys + arg_specs
 
 
 def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Callable[..., Any]:
@@ -193,7 +201,7 @@ def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Call
   return backward
 
 
-def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
+def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]], offload: bool,
             name: str) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
@@ -201,8 +209,9 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
   Args:
     fn: the user's function.
     signature: the signature of the positional arguments.
-    rng: whether `fn` takes `key=`; then both forwards (explicit key, per-callable stream)
-      are compiled.
+    n_keys: how many keys `fn` takes as `key=` (0 without rng; see `trace_forward`). With
+      keys the stream forward (what warmup and keyless replays run) is compiled now, the
+      explicit-key forward on first use.
     backward: which backward executables to build: ("full", leaves) or ("dgrad", leaves)
       and ("wgrad", leaves); the last one listed receives the residuals as donated buffers
       (device residuals only).
@@ -211,7 +220,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
   """
   timer = _Timer()
   start = time.perf_counter()
-  closed, layout = trace_forward(fn, signature, rng=rng, name=name)
+  closed, layout = trace_forward(fn, signature, n_keys=n_keys, name=name)
   trace_seconds = time.perf_counter() - start
   frozen = rng_lib.constant_keys(closed)
   if frozen:
@@ -220,19 +229,15 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
         "executable gives the same random numbers (the same dropout mask) on every replay. "
         "Take the key as an argument: make_graphed(..., rng=True) and fn(..., key=key).",
         stacklevel=4)
-  arg_specs = [sig_lib.abstract(s) for s in signature.leaves]
-  kinds: tuple[ForwardKind, ...] = ("explicit", "stream") if rng else ("explicit",)
-  forward = {}
-  for kind in kinds:
-    specs = (_stream_prefix() + arg_specs if kind == "stream"
-             else arg_specs + ([rng_lib.key_spec()] if rng else []))
-    fwd = _forward_fn(closed, layout, kind, outputs_only=False, offload=offload)
-    forward[kind] = timer.compile(jax.jit(fwd).trace(*specs))
-  out_info = forward["explicit"].out_info
-  in_specs = arg_specs + ([rng_lib.key_spec()] if rng else [])
+  first: ForwardKind = "stream" if n_keys else "explicit"
+  fwd = _forward_fn(closed, layout, first, outputs_only=False, offload=offload)
+  forward = {(first, True): timer.compile(
+      jax.jit(fwd).trace(*_forward_specs(signature, layout, first)))}
+  out_info = forward[first, True].out_info  # outputs, kept residuals, then stream keys/counters
+  in_specs = _forward_specs(signature, layout, "explicit")
   bwd_specs = ([in_specs[i] for i in layout.needed_inputs]
                + [out_info[i] for i in layout.needed_outputs]
-               + list(out_info[layout.n_out:])
+               + list(out_info[layout.n_out:layout.n_out + layout.n_kept])
                + [out_info[i] for i in layout.ct_leaves])
   first_kept = len(layout.needed_inputs) + len(layout.needed_outputs)
   # Offloaded residuals are host buffers: donating them frees no device memory, and XLA would
@@ -254,14 +259,19 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, rng: bool,
                      compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds)
 
 
-def inference_forward(entry: Executables, kind: ForwardKind) -> tuple[Any, float]:
-  """The forward without residuals (compiled on first use); returns it and compile seconds."""
-  if kind not in entry.inference:
-    timer = _Timer()
-    arg_specs = [sig_lib.abstract(s) for s in entry.signature.leaves]
-    specs = (_stream_prefix() + arg_specs if kind == "stream"
-             else arg_specs + ([rng_lib.key_spec()] if entry.layout.has_key else []))
-    fwd = _forward_fn(entry.closed_jaxpr, entry.layout, kind, outputs_only=True, offload=False)
-    entry.inference[kind] = timer.compile(jax.jit(fwd).trace(*specs))
-    return entry.inference[kind], timer.seconds
-  return entry.inference[kind], 0.0
+def forward_executable(entry: Executables, kind: ForwardKind, *,
+                       residuals: bool) -> tuple[Any, float]:
+  """A forward of `entry` (compiled on first use); returns it and the seconds compiled now.
+
+  `residuals=False` is the inference forward: outputs only, nothing kept for a backward.
+  """
+  compiled = entry.forward.get((kind, residuals))
+  if compiled is not None:
+    return compiled, 0.0
+  timer = _Timer()
+  fwd = _forward_fn(entry.closed_jaxpr, entry.layout, kind, outputs_only=not residuals,
+                    offload=entry.offload and residuals)
+  compiled = timer.compile(jax.jit(fwd).trace(*_forward_specs(entry.signature, entry.layout,
+                                                               kind)))
+  entry.forward[kind, residuals] = compiled
+  return compiled, timer.seconds

@@ -54,6 +54,8 @@ class Config:
   on_new_signature: OnNewSignature
   # (function, signature, offload) -> executables, shared by identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
+  # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
+  segments: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -129,7 +131,7 @@ class Pullback:
       grads, self._wgrad = self._backward(cotangents)
       self._state, self._backward = "done", None
       if event.phase == "replay":
-        owner._backward_replays += 1
+        owner._count_replay(backward=True)
       if hooks[1]:
         hooks_lib.fire(hooks[1], "backward",
                        dataclasses.replace(event, cotangents=cotangents, grads=grads), owner.name)
@@ -189,18 +191,44 @@ class GraphedCallable:
 
   @property
   def stats(self) -> Stats:
-    """Counters: captures, cache hits, compiles, compile seconds, replays, fallbacks."""
-    return Stats(self._captures, self._cache_hits, self._compiles, self._compile_seconds,
-                 self._replays, self._backward_replays, self._fallbacks)
+    """Counters: captures, cache hits, compiles, compile seconds, replays, fallbacks.
+
+    The captures and compiles of fused segments (`sequential_vjp(..., fuse=True)`) count on
+    their first layer.
+    """
+    captures, hits, compiles, seconds = (self._captures, self._cache_hits, self._compiles,
+                                         self._compile_seconds)
+    for segment in self._led_segments():
+      captures += segment._captures
+      hits += segment._cache_hits
+      compiles += segment._compiles
+      seconds += segment._compile_seconds
+    return Stats(captures, hits, compiles, seconds, self._replays, self._backward_replays,
+                 self._fallbacks)
 
   def reset(self) -> None:
-    """Drops this callable's executables; its next call captures again (and counts anew)."""
-    with self._config.lock:
+    """Drops this callable's executables, and those of fused segments it belongs to; its
+    next call captures again (and counts anew)."""
+    config = self._config
+    with config.lock:
       for key in self._own:
-        self._config.cache.pop(key, None)
+        config.cache.pop(key, None)
+      dropped = [key for key in config.segments if self in key]
+      segments = [config.segments.pop(key) for key in dropped]
+    for segment in segments:
+      segment.reset()
     self._entries.clear()
     self._own.clear()
     self._fallback = None
+
+  def _count_replay(self, *, backward: bool) -> None:
+    if backward:
+      self._backward_replays += 1
+    else:
+      self._replays += 1
+
+  def _led_segments(self) -> list[Any]:
+    return [segment for key, segment in self._config.segments.items() if key[0] is self]
 
   def seed(self, key: jax.Array | int, *, counter: int = 0) -> None:
     """Sets this callable's key stream (`rng=True`): base key and position.
@@ -333,7 +361,7 @@ class GraphedCallable:
       if entry is None:
         try:
           entry = capture_lib.capture(
-              self.fn, signature, rng=config.rng, backward=_backward_plan(config, signature),
+              self.fn, signature, n_keys=self._n_keys, backward=_backward_plan(config, signature),
               offload=self._offload, name=self.name)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
@@ -351,9 +379,12 @@ class GraphedCallable:
 
   def _forward(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any, key: Any, *,
                phase: hooks_lib.Phase, iteration: int, microbatch: int, with_pullback: bool,
-               stream: tuple[jax.Array, jax.Array] | None = None) -> Any:
-    """One forward: hooks, executable, pullback. `stream` overrides the key stream (warmup)."""
-    signature = sig_lib.signature_of(leaves, treedef)
+               stream: tuple[jax.Array, jax.Array] | None = None,
+               signature: sig_lib.Signature | None = None) -> Any:
+    """One forward: hooks, executable, pullback. `stream` overrides the key stream (warmup);
+    `signature` is that of `leaves`, where the caller already has it."""
+    if signature is None:
+      signature = sig_lib.signature_of(leaves, treedef)
     entry = self._entry(signature)
     pre, post = self._forward_hooks(phase)
     event = hooks_lib.HookEvent(self.index, phase, iteration, microbatch, args)
@@ -364,38 +395,41 @@ class GraphedCallable:
     else:
       result = self._replay_forward(entry, leaves, key, with_pullback, event, stream)
     if phase == "replay":
-      self._replays += 1
+      self._count_replay(backward=False)
     if post:
       hooks_lib.fire(post, "forward", dataclasses.replace(event, outputs=result[0]), self.name)
     return result
 
-  def _next_stream_key(self, stream: tuple[jax.Array, jax.Array] | None):
-    if stream is not None:
-      return stream
-    return self._base_key, self._counter
+  @property
+  def _n_keys(self) -> int:
+    return 1 if self._config.rng else 0
+
+  def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
+    """(base, index, counter) for the stream forward; `stream` overrides base and counter."""
+    base, counter = stream if stream is not None else (self._base_key, self._counter)
+    return [base, self._index_array, counter]
+
+  def _advance(self, counters: list[jax.Array]) -> None:
+    (self._counter,) = counters
 
   def _replay_forward(self, entry: capture_lib.Executables, leaves: list[Any], key: Any,
                       with_pullback: bool, event: hooks_lib.HookEvent,
                       stream: tuple[jax.Array, jax.Array] | None) -> Any:
     layout = entry.layout
-    stream_mode = layout.has_key and key is None
+    stream_mode = layout.n_keys > 0 and key is None
     kind: capture_lib.ForwardKind = "stream" if stream_mode else "explicit"
-    inputs = leaves + [key] if key is not None else leaves
+    inputs = leaves if key is None else leaves + (list(key) if layout.n_keys > 1 else [key])
+    exe, seconds = capture_lib.forward_executable(entry, kind, residuals=with_pullback)
+    if seconds:
+      self._compiles += 1
+      self._compile_seconds += seconds
     if stream_mode:
-      base, counter = self._next_stream_key(stream)
-      prefix = [base, self._index_array, counter]
-    if with_pullback:
-      exe = entry.forward[kind]
-    else:
-      exe, seconds = capture_lib.inference_forward(entry, kind)
-      if seconds:
-        self._compiles += 1
-        self._compile_seconds += seconds
-    if stream_mode:
-      *values, derived, new_counter = exe(*prefix, *inputs)
-      inputs = inputs + [derived]
+      values = exe(*self._stream_inputs(stream), *inputs)
+      n = len(values) - 2 * layout.n_keys
+      values, derived, counters = values[:n], values[n:n + layout.n_keys], values[n + layout.n_keys:]
+      inputs = inputs + derived
       if stream is None:
-        self._counter = new_counter
+        self._advance(counters)
     else:
       values = exe(*inputs)
     if not with_pullback:
@@ -495,8 +529,8 @@ class _Release:
 class SequentialPullback:
   """The pullback of `sequential_vjp`: `(grads_list, g_x) = pullback(ct)`; one-shot."""
 
-  def __init__(self, pullbacks: list[Pullback]):
-    self._pullbacks = pullbacks
+  def __init__(self, steps: list[tuple[int, int, Pullback]]):
+    self._steps = steps  # (first layer, end layer, its pullback); a fused run spans several
     self._failed_at: int | None = None
     self._called = False
 
@@ -509,24 +543,27 @@ class SequentialPullback:
     if self._called:
       raise RuntimeError("this sequential_vjp pullback was already called: it replays every "
                          "layer's backward once. Run sequential_vjp again for a new one.")
-    grads: list[Any] = [None] * len(self._pullbacks)
-    for i in reversed(range(len(self._pullbacks))):
+    grads: list[Any] = [None] * (self._steps[-1][1] if self._steps else 0)
+    for position in reversed(range(len(self._steps))):
+      lo, hi, pullback = self._steps[position]
       try:
-        grads[i], cotangent = self._pullbacks[i](cotangent)
+        g_params, cotangent = pullback(cotangent)
       except BaseException:
-        if i < len(self._pullbacks) - 1 or self._pullbacks[i]._state != "ready":
-          self._failed_at = i
+        if position < len(self._steps) - 1 or pullback._state != "ready":
+          self._failed_at = lo
         raise
+      grads[lo:hi] = g_params if hi - lo > 1 else [g_params]
     self._called = True
     return grads, cotangent
 
   def wgrad(self) -> list[Any]:
     """With `delay_wgrad=True`: the deferred params grads of every layer, in layer order."""
-    return [pullback.wgrad()[0] for pullback in self._pullbacks]
+    return [pullback.wgrad()[0] for _, _, pullback in self._steps]
 
 
 def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any, *,
-                   keys: Sequence[jax.Array] | None = None) -> tuple[Any, SequentialPullback]:
+                   keys: Sequence[jax.Array] | None = None,
+                   fuse: bool = False) -> tuple[Any, SequentialPullback]:
   """Chains `x = layer(params, x)` through a stack; returns `(y, pullback)`.
 
   Args:
@@ -534,11 +571,19 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     params_list: one params pytree per layer.
     x: the input of the first layer.
     keys: one key per layer, or None to draw from each layer's own stream.
+    fuse: boundary fusion. Each maximal run of adjacent layers without replay-time hooks
+      (from one `make_graphed` call, without `delay_wgrad`, with the same offload setting)
+      replays as one forward and one backward executable, compiled on the first such call
+      (identical runs share it): a host boundary only where a hook needs one. The same
+      keys and counters as unfused; the numerics may differ by rounding, as XLA fuses
+      across layers (like a whole-step `jax.jit`).
 
   Returns:
     `(y, pullback)` with `pullback(ct) -> (grads_list, g_x)`: `grads_list[i]` is the gradient
     of `params_list[i]`.
   """
+  from jaxgraph import fusion as fusion_lib  # fusion builds on GraphedCallable
+
   if len(layers) != len(params_list):
     raise ValueError(f"sequential_vjp got {len(layers)} layers but {len(params_list)} params.")
   if keys is not None and len(keys) != len(layers):
@@ -547,11 +592,22 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     if not isinstance(layer, GraphedCallable):
       raise TypeError(f"sequential_vjp: layers[{i}] is a {type(layer).__name__}, not a "
                       "GraphedCallable; build the stack with jaxgraph.make_graphed.")
-  pullbacks = []
-  for i, (layer, params) in enumerate(zip(layers, params_list)):
-    if keys is None:
-      x, pullback = layer.vjp(params, x)
-    else:
-      x, pullback = layer.vjp(params, x, key=keys[i])
-    pullbacks.append(pullback)
-  return x, SequentialPullback(pullbacks)
+  runs = (fusion_lib.plan(layers) if fuse
+          else [(i, i + 1) for i in range(len(layers))])
+  steps = []
+  for lo, hi in runs:
+    fused = None
+    if hi - lo > 1:
+      segment = fusion_lib.segment(layers[lo:hi])
+      fused = segment.vjp_chain(params_list[lo:hi], x, None if keys is None else keys[lo:hi])
+    if fused is not None:
+      x, pullback = fused
+      steps.append((lo, hi, pullback))
+      continue
+    for i in range(lo, hi):  # one by one: unfused, or a fused run that cannot replay fused
+      if keys is None:
+        x, pullback = layers[i].vjp(params_list[i], x)
+      else:
+        x, pullback = layers[i].vjp(params_list[i], x, key=keys[i])
+      steps.append((i, i + 1, pullback))
+  return x, SequentialPullback(steps)

@@ -126,7 +126,7 @@ def test_identical_fsdp_layers_compile_once(mesh):
 
 def test_layer_hlo_gathers_weights_and_reduces_grads(graphed_layer):
   (entry,) = graphed_layer._entries.values()
-  forward = entry.forward["explicit"].as_text()
+  forward = entry.forward["explicit", True].as_text()
   backward = entry.backward["full"][0].as_text()
   assert _count(forward, "all-gather") == 2                   # w1 and w2
   assert _count(backward, "all-gather") == 2                  # re-gathered, not saved
@@ -180,9 +180,9 @@ def test_residuals_hold_no_gathered_weights(mesh, one_layer, graphed_layer):
   weight_shapes = {params["w1"].shape, params["w2"].shape}
   gathered_bytes = sum(params[k].nbytes for k in ("w1", "w2"))   # one device, unsharded
   (lean,), (fat,) = graphed_layer._entries.values(), holding._entries.values()
-  lean_fwd, fat_fwd = lean.forward["explicit"], fat.forward["explicit"]
+  lean_fwd, fat_fwd = lean.forward["explicit", True], fat.forward["explicit", True]
   lean_bwd, fat_bwd = lean.backward["full"][0], fat.backward["full"][0]
-  gathered = lambda e: [o for o in e.forward["explicit"].out_info[e.layout.n_out:]
+  gathered = lambda e: [o for o in e.forward["explicit", True].out_info[e.layout.n_out:]
                         if o.shape in weight_shapes and o.sharding.is_fully_replicated]
   # Without the policy the forward returns both gathered weights for the backward.
   assert len(gathered(fat)) == 2

@@ -89,10 +89,10 @@ def test_residuals_do_not_reemit_inputs():
   layout = entry.layout
   kinds = {kind for kind, _ in layout.sources}
   assert "in" in kinds  # the weights and x are read from the inputs...
-  n_outputs = len(entry.forward["explicit"].out_info)
+  n_outputs = len(entry.forward["explicit", True].out_info)
   assert n_outputs == layout.n_out + layout.n_kept  # ...and never returned again
   input_shapes = {s.shape for s in entry.signature.leaves}
-  kept_shapes = [o.shape for o in entry.forward["explicit"].out_info[layout.n_out:]]
+  kept_shapes = [o.shape for o in entry.forward["explicit", True].out_info[layout.n_out:]]
   assert all(shape not in input_shapes or shape == (T, D) for shape in kept_shapes)
 
 

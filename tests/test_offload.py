@@ -36,15 +36,22 @@ def _entry(layer: jg.GraphedCallable):
   return entry
 
 
+def _forward_info(layer: jg.GraphedCallable) -> tuple[list, list]:
+  """Output and kept-residual infos of the forward executable capture compiled."""
+  entry = _entry(layer)
+  ((_, compiled),) = [(kind, c) for (kind, residuals), c in entry.forward.items() if residuals]
+  layout = entry.layout
+  info = compiled.out_info
+  return info[:layout.n_out], info[layout.n_out:layout.n_out + layout.n_kept]
+
+
 def _kept_kinds(layer: jg.GraphedCallable) -> list[str]:
   """Memory kinds of the kept residuals the forward executable returns."""
-  entry = _entry(layer)
-  return [o.sharding.memory_kind for o in entry.forward["explicit"].out_info[entry.layout.n_out:]]
+  return [o.sharding.memory_kind for o in _forward_info(layer)[1]]
 
 
 def _output_kinds(layer: jg.GraphedCallable) -> list[str]:
-  entry = _entry(layer)
-  return [o.sharding.memory_kind for o in entry.forward["explicit"].out_info[:entry.layout.n_out]]
+  return [o.sharding.memory_kind for o in _forward_info(layer)[0]]
 
 
 def _in_kinds(compiled) -> list[str | None]:
@@ -78,7 +85,7 @@ def test_kept_residuals_live_in_pinned_host():
   # The arrays the forward executable returns (what a pullback holds) report it too.
   entry = _entry(layers[0])
   leaves = jax.tree.leaves((params[0], x))
-  values = entry.forward["explicit"](*leaves)
+  values = entry.forward["explicit", True](*leaves)
   kept = values[entry.layout.n_out:]
   assert [v.sharding.memory_kind for v in kept] == ["pinned_host"] * entry.layout.n_kept
   assert values[0].sharding.memory_kind == "device"
@@ -225,7 +232,7 @@ def test_inference_call_keeps_no_residuals():
   layer = jg.make_graphed(fns[0], sample_args=(params[0], x), offload_residuals=True)
   y = layer(params[0], x)
   entry = _entry(layer)
-  (inference,) = entry.inference.values()
+  inference = entry.forward["explicit", False]
   assert len(inference.out_info) == entry.layout.n_out
   assert y.sharding.memory_kind == "device"
 
@@ -317,7 +324,7 @@ def test_gpu_compiled_executables_copy_residuals_through_host_memory():
   fns, params, x = _gpu_stack()
   layers = jg.make_graphed(fns, sample_args=[(p, x) for p in params], offload_residuals=True)
   entry = _entry(layers[0])
-  forward = entry.forward["explicit"].as_text()
+  forward = entry.forward["explicit", True].as_text()
   backward = entry.backward["full"][0].as_text()
   # S(5) is XLA's host memory space: the forward's kept outputs and the backward's inputs.
   forward_layout = forward[forward.index("entry_computation_layout"):].splitlines()[0]

@@ -1,0 +1,159 @@
+"""Boundary fusion: adjacent hook-free layers of a chain replayed as one forward + backward.
+
+A host boundary after every layer is what hooks need, and what costs time where layers are
+small (each replayed executable pays the runtime's per-call cost). `sequential_vjp(...,
+fuse=True)` pays it only where a replay-time hook sits: each maximal run of layers that have
+no replay-time hook (and the same settings) becomes one `FusedSegment`, a GraphedCallable of
+the composed chain with the layers' own key streams threaded through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+
+from jaxgraph import graphed as graphed_lib
+from jaxgraph import hooks as hooks_lib
+from jaxgraph import signature as sig_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+  """`chain(params, x, *, key=None)`: `x = fns[i](params[i], x[, key=key[i]])` in turn.
+
+  Equal (and hashed) by its functions, so identical segments share one capture.
+  """
+
+  fns: tuple[Callable[..., Any], ...]
+
+  @property
+  def __name__(self) -> str:
+    return "chain"
+
+  def __call__(self, params: Sequence[Any], x: Any, *, key: Sequence[Any] | None = None) -> Any:
+    for i, (fn, p) in enumerate(zip(self.fns, params)):
+      x = fn(p, x) if key is None else fn(p, x, key=key[i])
+    return x
+
+
+def fusable(layer: graphed_lib.GraphedCallable) -> bool:
+  """Whether a layer may share executables with its neighbours: no replay-time hook (a hook
+  needs the host boundary) and no delayed wgrad (its own dgrad/wgrad split)."""
+  hooks = layer._hooks
+  return (not any(getattr(hooks, kind) for kind in hooks_lib.HOOK_KINDS)
+          and not layer._config.delay_wgrad)
+
+
+def plan(layers: Sequence[graphed_lib.GraphedCallable]) -> list[tuple[int, int]]:
+  """`[lo, hi)` runs of `layers`: maximal runs of fusable layers from one `make_graphed`
+  call with the same offload setting, each layer at most once in a run (a repeated layer
+  draws a new key per call); every other layer is a run of its own."""
+  runs: list[tuple[int, int]] = []
+  for i, layer in enumerate(layers):
+    if (runs and fusable(layer) and _joins(layers[runs[-1][0]], layer)
+        and layer not in layers[runs[-1][0]:i]):
+      runs[-1] = (runs[-1][0], i + 1)
+    else:
+      runs.append((i, i + 1))
+  return runs
+
+
+def _joins(first: graphed_lib.GraphedCallable, layer: graphed_lib.GraphedCallable) -> bool:
+  return (fusable(first) and layer._config is first._config
+          and layer._offload == first._offload)
+
+
+class FusedSegment(graphed_lib.GraphedCallable):
+  """Adjacent layers replayed as one forward and one backward executable.
+
+  Keys come from each layer's own stream (or `keys=`), so a fused replay computes what the
+  layers would one by one, and advances the same counters. Captures and compiles are counted
+  on the first layer's `stats`; replays on every layer's.
+  """
+
+  def __init__(self, layers: Sequence[graphed_lib.GraphedCallable]):
+    first = layers[0]
+    self._layers = tuple(layers)
+    super().__init__(Chain(tuple(layer.fn for layer in layers)), first.index, first._config,
+                     hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
+                     offload=first._offload)
+    self.name = f"fused({first.name}..{layers[-1].name})"
+
+  @property
+  def _n_keys(self) -> int:
+    return len(self._layers) if self._config.rng else 0
+
+  def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
+    return [value for layer in self._layers for value in layer._stream_inputs(stream)]
+
+  def _advance(self, counters: list[jax.Array]) -> None:
+    for layer, counter in zip(self._layers, counters):
+      layer._advance([counter])
+
+  def _exclusive(self) -> Any:
+    acquired = []
+    try:
+      for owner in (self, *self._layers):
+        acquired.append(graphed_lib.GraphedCallable._exclusive(owner))
+    except BaseException:
+      for release in acquired:
+        release.__exit__(None, None, None)
+      raise
+    return _ReleaseAll(acquired)
+
+  def replayable(self, signature: sig_lib.Signature) -> bool:
+    """Whether `signature` is captured or may be (within `max_captures`); otherwise the
+    layers run one by one, each under its own max_captures and fallback."""
+    return signature in self._entries or len(self._entries) < self._config.max_captures
+
+  def vjp_chain(self, params: Sequence[Any], x: Any, keys: Sequence[jax.Array] | None
+                ) -> tuple[Any, graphed_lib.Pullback] | None:
+    """The fused forward of `(params, x)`; None where it cannot run fused (tracers, or a
+    signature beyond max_captures): the caller then runs the layers one by one."""
+    args = (tuple(params), x)
+    leaves, treedef = jax.tree.flatten(args)
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+      return None
+    if keys is not None:
+      for layer, key in zip(self._layers, keys):
+        layer._flatten((), key, {})  # the same key checks as an unfused call
+    signature = sig_lib.signature_of(leaves, treedef)
+    if not self.replayable(signature):
+      return None
+    with self._exclusive():
+      return self._forward(args, leaves, treedef, None if keys is None else tuple(keys),
+                           phase="replay", iteration=self._replays, microbatch=0,
+                           with_pullback=True, signature=signature)
+
+  def _count_replay(self, *, backward: bool) -> None:
+    super()._count_replay(backward=backward)
+    for layer in self._layers:
+      layer._count_replay(backward=backward)
+
+
+class _ReleaseAll:
+  __slots__ = ("_releases",)
+
+  def __init__(self, releases: list[Any]):
+    self._releases = releases
+
+  def __enter__(self) -> None:
+    pass
+
+  def __exit__(self, *exc: Any) -> None:
+    for release in reversed(self._releases):
+      release.__exit__(None, None, None)
+
+
+def segment(layers: Sequence[graphed_lib.GraphedCallable]) -> FusedSegment:
+  """The FusedSegment of these layers, made once and kept with their `make_graphed` call."""
+  config = layers[0]._config
+  key = tuple(layers)
+  with config.lock:
+    found = config.segments.get(key)
+    if found is None:
+      found = config.segments[key] = FusedSegment(layers)
+  return found
+

@@ -1,0 +1,218 @@
+"""Boundary fusion (`sequential_vjp(..., fuse=True)`): numerics, runs, compile counts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgraph as jg
+from jaxgraph import fusion
+from jaxgraph import rng as rng_lib
+from models import dropout_mlp, init_mlp, mlp, reference_stack, trees_equal
+
+D, H, T = 16, 32, 8
+
+
+def _params(depth, dtype=jnp.float32):
+  return [init_mlp(k, D, H, dtype) for k in jax.random.split(jax.random.key(0), depth)]
+
+
+def _x(dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(1), (T, D)).astype(dtype)
+
+
+def _sgd(params, grads, lr=0.01):
+  return jax.tree.map(lambda p, g: (p - lr * g).astype(p.dtype), params, grads)
+
+
+def _counting(fn):
+  calls = [0]
+
+  def layer(*args, **kwargs):
+    calls[0] += 1
+    return fn(*args, **kwargs)
+
+  return layer, calls
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_training_matches_jit_vjp_of_the_chain_bitwise(dtype):
+  # The math of a fused run is the chain's: the reference is that chain through jax.vjp
+  # under jax.jit (forward and backward jitted apart, as replayed), with the stream keys.
+  depth = 4
+  params, x = _params(depth, dtype), _x(dtype)
+  layers = jg.make_graphed([dropout_mlp] * depth, sample_args=[(p, x) for p in params],
+                           rng=jax.random.key(7))
+  chain = fusion.Chain((dropout_mlp,) * depth)
+  ref_params = params
+  for step in range(3):
+    keys = tuple(rng_lib.stream_key(i, step, layer.rng_base_key)
+                 for i, layer in enumerate(layers))
+    y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
+    ct = (y / y.size).astype(dtype)
+    grads, g_x = pullback(ct)
+    y_ref, (grads_ref,), g_x_ref = reference_stack([chain], [tuple(ref_params)], x, ct,
+                                                   keys=[keys])
+    assert trees_equal(y, y_ref)
+    assert trees_equal(g_x, g_x_ref)
+    assert trees_equal(tuple(grads), grads_ref)
+    params = [_sgd(p, g) for p, g in zip(params, grads)]
+    ref_params = [_sgd(p, g) for p, g in zip(ref_params, grads_ref)]
+  assert [layer.rng_counter for layer in layers] == [3] * depth
+
+
+def test_fused_equals_unfused_up_to_rounding_with_the_same_keys():
+  # Same keys, same math; XLA fuses across layer boundaries, so the last bits may differ.
+  params, x = _params(4), _x()
+  build = lambda: jg.make_graphed([dropout_mlp] * 4, sample_args=[(p, x) for p in params],
+                                  rng=True)
+  fused_layers, plain_layers = build(), build()
+  for _ in range(2):
+    y, pullback = jg.sequential_vjp(fused_layers, params, x, fuse=True)
+    y_plain, pullback_plain = jg.sequential_vjp(plain_layers, params, x)
+    grads, g_x = pullback(jnp.ones_like(y))
+    grads_plain, g_x_plain = pullback_plain(jnp.ones_like(y_plain))
+    np.testing.assert_allclose(y, y_plain, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(g_x, g_x_plain, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_plain)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  assert ([layer.rng_counter for layer in fused_layers]
+          == [layer.rng_counter for layer in plain_layers] == [2] * 4)
+
+
+def test_explicit_keys_are_fused_too():
+  params, x = _params(3), _x()
+  layers = jg.make_graphed([dropout_mlp] * 3, sample_args=[(p, x) for p in params], rng=True)
+  keys = list(jax.random.split(jax.random.key(3), 3))
+  y, pullback = jg.sequential_vjp(layers, params, x, keys=keys, fuse=True)
+  grads, g_x = pullback(jnp.ones_like(y))
+  y_ref, (grads_ref,), g_x_ref = reference_stack([fusion.Chain((dropout_mlp,) * 3)],
+                                                 [tuple(params)], x, jnp.ones_like(y),
+                                                 keys=[tuple(keys)])
+  assert trees_equal((y, tuple(grads), g_x), (y_ref, grads_ref, g_x_ref))
+  assert [layer.rng_counter for layer in layers] == [0, 0, 0]  # explicit keys: no stream
+
+
+def test_twelve_identical_layers_fuse_into_one_compiled_pair_without_recompiles():
+  layer_fn, calls = _counting(mlp)
+  params, x = _params(12), _x()
+  layers = jg.make_graphed([layer_fn] * 12, sample_args=[(p, x) for p in params],
+                           num_warmup_iters=1)
+  traces_before = calls[0]
+  compiles_before = sum(layer.stats.compiles for layer in layers)
+  for _ in range(3):
+    y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
+    pullback(jnp.ones_like(y))
+  # One trace of the chain (12 calls of the function inside it), one forward + one backward.
+  assert calls[0] - traces_before == 12
+  assert sum(layer.stats.compiles for layer in layers) - compiles_before == 2
+  assert layers[0].stats.captures == 2  # its own layer signature, and the fused chain
+  assert all(layer.stats.replays == 3 and layer.stats.backward_replays == 3
+             for layer in layers)
+
+
+def test_replay_hooks_split_runs_and_identical_runs_share_one_capture():
+  seen = []
+  hook = jg.Hooks(pre_forward=[lambda e: seen.append(("fwd", e.index))],
+                  backward=[lambda e: seen.append(("bwd", e.index))])
+  hooks = [None, None, hook, None, None]
+  params, x = _params(5), _x()
+  layers = jg.make_graphed([mlp] * 5, hooks, sample_args=[(p, x) for p in params],
+                           num_warmup_iters=0)
+  assert fusion.plan(layers) == [(0, 2), (2, 3), (3, 5)]
+  seen.clear()  # replay hooks fire at capture too
+  y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
+  grads, g_x = pullback(jnp.ones_like(y))
+  assert seen == [("fwd", 2), ("bwd", 2)]
+  assert layers[0].stats.captures == 2 and layers[3].stats.cache_hits == 2  # same chain
+  y_ref, grads_ref, g_x_ref = reference_stack([mlp] * 5, params, x, jnp.ones_like(y))
+  np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_runs_break_at_other_settings():
+  params, x = _params(6), _x()
+  first = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[:2]])
+  second = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[2:4]],
+                           delay_wgrad=True)
+  third = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[4:]],
+                          offload_residuals=[True, False])
+  assert fusion.plan(first + second + third) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+  # A layer used twice draws two keys: it never joins a run it is already in.
+  assert fusion.plan(first + first) == [(0, 2), (2, 4)]
+  y, pullback = jg.sequential_vjp(first + first, params[:4], x, fuse=True)
+  grads, _ = pullback(jnp.ones_like(y))
+  assert len(grads) == 4 and all(g is not None for g in grads)
+  assert len(first[0]._config.segments) == 1
+
+
+def test_traced_call_runs_the_functions():
+  params, x = _params(3), _x()
+  layers = jg.make_graphed([mlp] * 3, sample_args=[(p, x) for p in params])
+
+  @jax.jit
+  def loss(params, x):
+    y, _ = jg.sequential_vjp(layers, params, x, fuse=True)
+    return jnp.sum(y ** 2)
+
+  y_ref, _, _ = reference_stack([mlp] * 3, params, x, jnp.ones((T, D)))
+  np.testing.assert_allclose(loss(params, x), jnp.sum(y_ref ** 2), rtol=1e-6)
+  assert layers[0].stats.captures == 1  # its own capture only: nothing fused for a trace
+
+
+def test_beyond_max_captures_runs_unfused():
+  params, x = _params(2), _x()
+  layers = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params], max_captures=1)
+  y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
+  pullback(jnp.ones_like(y))
+  segment = fusion.segment(layers)
+  assert len(segment._entries) == 1
+  x16 = jnp.ones((2 * T, D))
+  with pytest.warns(UserWarning, match="max_captures"):
+    y, pullback = jg.sequential_vjp(layers, params, x16, fuse=True)
+  grads, _ = pullback(jnp.ones_like(y))
+  assert len(segment._entries) == 1 and layers[0].stats.fallbacks == 1
+  y_ref, grads_ref, _ = reference_stack([mlp] * 2, params, x16, jnp.ones_like(y))
+  np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_reset_drops_the_fused_executables():
+  layer_fn, calls = _counting(mlp)
+  params, x = _params(2), _x()
+  layers = jg.make_graphed([layer_fn] * 2, sample_args=[(p, x) for p in params],
+                           num_warmup_iters=0)
+  y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
+  pullback(jnp.ones_like(y))
+  before = calls[0]
+  layers[1].reset()
+  assert not layers[0]._config.segments
+  y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
+  pullback(jnp.ones_like(y))
+  assert calls[0] - before == 2  # the chain was traced again
+
+
+def test_fused_pullback_is_one_shot_and_keys_are_checked():
+  params, x = _params(2), _x()
+  layers = jg.make_graphed([dropout_mlp] * 2, sample_args=[(p, x) for p in params], rng=True)
+  y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
+  pullback(jnp.ones_like(y))
+  with pytest.raises(RuntimeError, match="already called"):
+    pullback(jnp.ones_like(y))
+  with pytest.raises(TypeError, match="raw uint32"):
+    jg.sequential_vjp(layers, params, x, keys=[jax.random.PRNGKey(0)] * 2, fuse=True)
+  assert [layer.rng_counter for layer in layers] == [1, 1]  # the refused call drew nothing
+
+
+def test_a_busy_member_layer_blocks_its_fused_run():
+  params, x = _params(2), _x()
+  layers = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params])
+  with layers[1]._exclusive():
+    with pytest.raises(RuntimeError, match=r"mlp\[1\] is already running"):
+      jg.sequential_vjp(layers, params, x, fuse=True)
+    assert not layers[0]._busy.locked()  # the locks taken before the busy one were released
+  y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)  # free again
+  grads, _ = pullback(jnp.ones_like(y))
+  assert len(grads) == 2
