@@ -25,6 +25,9 @@ Variants (step = forward + loss gradient + backward + SGD update):
   jaxgraph-raw-own    the same, with a loaded copy of the executables per layer (a diagnostic:
                       does it pay that each copy sees stable parameter addresses, for XLA's
                       command buffers, where 12 layers share one executable otherwise?)
+  jaxgraph-unpacked, jaxgraph-fuse-unpacked
+                      jaxgraph and jaxgraph-fuse with every kept residual travelling as its own
+                      array (a diagnostic: what packing small residuals saves)
   jit-unrolled        one jax.jit of the whole step, layers unrolled
   jit-scan            one jax.jit of the whole step, layers in lax.scan
   torch-eager, torch-graphed (torch.cuda.make_graphed_callables), when torch sees a GPU
@@ -54,12 +57,15 @@ from jax.experimental import serialize_executable  # noqa: E402
 
 import gpt  # noqa: E402
 import jaxgraph as jg  # noqa: E402
+from jaxgraph import capture as capture_lib  # noqa: E402
 
 JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
-                "jaxgraph-fuse", "jaxgraph-raw", "jaxgraph-raw-own", "jit-unrolled", "jit-scan")
+                "jaxgraph-fuse", "jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked",
+                "jaxgraph-fuse-unpacked", "jit-unrolled", "jit-scan")
 TORCH_VARIANTS = ("torch-eager", "torch-graphed")
-# Diagnostics: they capture exactly what jaxgraph captures, so they get no probe of their own.
-DIAGNOSTICS = ("jaxgraph-raw", "jaxgraph-raw-own")
+# Diagnostics: what jaxgraph does, with one piece changed; they get no probe of their own.
+DIAGNOSTICS = ("jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked", "jaxgraph-fuse-unpacked")
+UNPACKED = "-unpacked"  # residuals travel one array each (capture.PACK_MAX_BYTES = 0)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -94,6 +100,13 @@ def build(name: str, size: gpt.Size, attention: str | None, layers: int | None =
   start = time.perf_counter()
   if name.startswith("jit-"):
     variant = _build_jit(name, block, params, x0, count)
+  elif name.endswith(UNPACKED):
+    pack_max_bytes, capture_lib.PACK_MAX_BYTES = capture_lib.PACK_MAX_BYTES, 0
+    try:
+      variant = _build_jaxgraph(name.removesuffix(UNPACKED), block, params, x0, count)
+    finally:
+      capture_lib.PACK_MAX_BYTES = pack_max_bytes
+    variant.name = name
   else:
     variant = _build_jaxgraph(name, block, params, x0, count)
   variant.state = variant.step(variant.state)
