@@ -22,13 +22,9 @@ median per step.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
@@ -175,45 +171,17 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--size", default="medium", choices=sorted(gpt.SIZES))
-  parser.add_argument("--tiny", action="store_true", help="CPU smoke run (size tiny)")
-  parser.add_argument("--attention", default="cudnn", help="'cudnn', 'xla' or 'default'")
-  parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
-  parser.add_argument("--iters", type=int, default=3)
-  parser.add_argument("--reps", type=int, default=5)
-  parser.add_argument("--out", default=None, help="folder for fsdp_bench.json")
-  parser.add_argument("--child", choices=("memory", "time"), help=argparse.SUPPRESS)
-  args = parser.parse_args()
-  if args.tiny:
-    args.size, args.attention = "tiny", "default"
+  args = harness.parse_args(__doc__.splitlines()[0], VARIANTS, "fsdp_bench.json")
   size = gpt.SIZES[args.size]
   attention = None if args.attention == "default" else args.attention
-  if args.child == "memory":
-    print(json.dumps(measure_memory(size, args.variants[0], attention)))
+  results = harness.drive(
+      __file__, args, size, lambda v: measure_memory(size, v, attention),
+      lambda: measure_time(size, args.variants, attention, args.iters, args.reps),
+      show=lambda result: json.dumps(result)[:2000])
+  if results is None:
     return
-  if args.child == "time":
-    print(json.dumps(measure_time(size, args.variants, attention, args.iters, args.reps)))
-    return
-  common = ["--size", size.name, "--attention", args.attention]
-  results: dict[str, Any] = dict(
-      size=dataclasses.asdict(size), attention=args.attention, variants=args.variants,
-      jax=jax.__version__, device=jax.devices()[0].device_kind, devices=jax.device_count(),
-      platform=platform.platform(), command=" ".join(sys.argv),
-      xla_flags=os.environ.get("XLA_FLAGS", ""), memory=[])
-  for v in args.variants:
-    results["memory"].append(
-        harness.run_child(__file__, ["--child", "memory", "--variants", v, *common], 600))
-    print(json.dumps(results["memory"][-1])[:2000], flush=True)
-  results["time"] = harness.run_child(
-      __file__, ["--child", "time", "--variants", *args.variants, "--iters", str(args.iters),
-                 "--reps", str(args.reps), *common], 900)
-  print(json.dumps(results["time"])[:2000], flush=True)
   results["table"] = report(results)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fsdp_bench.json"), "w") as f:
-      json.dump(results, f, indent=1)
+  harness.write_json(args.out, "fsdp_bench.json", results)
   print(f"{results['devices']} x {results['device']}, jax {results['jax']}, size {size}")
   print(results["table"])
 
