@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import gpt
 import harness
 import jaxgraph as jg
+from jaxgraph import capture as capture_lib
 from jaxgraph import fsdp
 
 VARIANTS = ("graphed", "jit")
@@ -88,7 +89,8 @@ def build(size: gpt.Size, variant: str, attention: str | None, warmup: int) -> S
       return update(params, grads)
 
     (entry,) = layers[0]._entries.values()
-    analysis = dict(forward=_analysis(entry.forward["explicit", True]),
+    forward, _ = capture_lib.forward_executable(entry, "explicit", residuals=True)
+    analysis = dict(forward=_analysis(forward),
                     backward=_analysis(entry.backward["full"][0]))
     return Setup(params, step, analysis)
 

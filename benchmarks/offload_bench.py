@@ -39,6 +39,7 @@ import numpy as np
 import gpt
 import harness
 import jaxgraph as jg
+from jaxgraph import capture as capture_lib
 from jaxgraph import offload as offload_lib
 
 VARIANTS = ("none", "all", "all-but-2")
@@ -94,7 +95,8 @@ def residual_bytes(layer: jg.GraphedCallable) -> dict[str, int]:
   """Bytes of the residuals one forward keeps, by memory kind (from the compiled forward)."""
   (entry,) = layer._entries.values()
   out: dict[str, int] = {}
-  for o in entry.forward["explicit", True].out_info[entry.layout.n_out:]:
+  forward, _ = capture_lib.forward_executable(entry, "explicit", residuals=True)
+  for o in forward.out_info[entry.layout.n_out:]:
     kind = o.sharding.memory_kind
     out[kind] = out.get(kind, 0) + int(np.prod(o.shape)) * np.dtype(o.dtype).itemsize
   return out
