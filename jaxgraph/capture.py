@@ -198,7 +198,7 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
       raise TypeError(f"{name} returned a float0 value at output leaf {i}.")
   sources = found["sources"]
   # Packing needs one layout of every buffer: only for unsharded (single-device) arguments.
-  packing = plan_packing([o for o in out_info[n_out:]],
+  packing = plan_packing(out_info[n_out:],
                          enabled=all(s.sharding is None for s in signature.leaves))
   layout = Layout(
       n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"], out_specs=out_specs,

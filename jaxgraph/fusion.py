@@ -51,12 +51,15 @@ def plan(layers: Sequence[graphed_lib.GraphedCallable]) -> list[tuple[int, int]]
   call with the same offload setting, each layer at most once in a run (a repeated layer
   draws a new key per call); every other layer is a run of its own."""
   runs: list[tuple[int, int]] = []
+  members: set[graphed_lib.GraphedCallable] = set()  # of the last run
   for i, layer in enumerate(layers):
-    if (runs and fusable(layer) and _joins(layers[runs[-1][0]], layer)
-        and layer not in layers[runs[-1][0]:i]):
+    if (runs and layer not in members and fusable(layer)
+        and _joins(layers[runs[-1][0]], layer)):
       runs[-1] = (runs[-1][0], i + 1)
+      members.add(layer)
     else:
       runs.append((i, i + 1))
+      members = {layer}
   return runs
 
 
