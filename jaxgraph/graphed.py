@@ -425,8 +425,10 @@ class GraphedCallable:
       self._compile_seconds += seconds
     if stream_mode:
       values = exe(*self._stream_inputs(stream), *inputs)
+      # outputs and kept residuals, then one derived key and one next counter per key
       n = len(values) - 2 * layout.n_keys
-      values, derived, counters = values[:n], values[n:n + layout.n_keys], values[n + layout.n_keys:]
+      derived, counters = values[n:n + layout.n_keys], values[n + layout.n_keys:]
+      values = values[:n]
       inputs = inputs + derived
       if stream is None:
         self._advance(counters)
