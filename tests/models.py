@@ -9,6 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def counting(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[], int]]:
+  """`fn` wrapped to count its calls (for a graphed function: its traces), and a reader of
+  the count."""
+  calls = 0
+
+  def counted(*args: Any, **kwargs: Any) -> Any:
+    nonlocal calls
+    calls += 1
+    return fn(*args, **kwargs)
+
+  counted.__name__ = fn.__name__  # graphed under fn's name
+  return counted, lambda: calls
+
+
 def mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
   return x + jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
 

@@ -10,7 +10,7 @@ import pytest
 import jaxgraph as jg
 from jaxgraph import fusion
 from jaxgraph import rng as rng_lib
-from models import dropout_mlp, init_mlp, mlp, reference_stack, trees_equal
+from models import counting, dropout_mlp, init_mlp, mlp, reference_stack, trees_equal
 
 D, H, T = 16, 32, 8
 
@@ -25,16 +25,6 @@ def _x(dtype=jnp.float32):
 
 def _sgd(params, grads, lr=0.01):
   return jax.tree.map(lambda p, g: (p - lr * g).astype(p.dtype), params, grads)
-
-
-def _counting(fn):
-  calls = [0]
-
-  def layer(*args, **kwargs):
-    calls[0] += 1
-    return fn(*args, **kwargs)
-
-  return layer, calls
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -96,17 +86,17 @@ def test_explicit_keys_are_fused_too():
 
 
 def test_twelve_identical_layers_fuse_into_one_compiled_pair_without_recompiles():
-  layer_fn, calls = _counting(mlp)
+  layer_fn, calls = counting(mlp)
   params, x = _params(12), _x()
   layers = jg.make_graphed([layer_fn] * 12, sample_args=[(p, x) for p in params],
                            num_warmup_iters=1)
-  traces_before = calls[0]
+  traces_before = calls()
   compiles_before = sum(layer.stats.compiles for layer in layers)
   for _ in range(3):
     y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
     pullback(jnp.ones_like(y))
   # One trace of the chain (12 calls of the function inside it), one forward + one backward.
-  assert calls[0] - traces_before == 12
+  assert calls() - traces_before == 12
   assert sum(layer.stats.compiles for layer in layers) - compiles_before == 2
   assert layers[0].stats.captures == 2  # its own layer signature, and the fused chain
   assert all(layer.stats.replays == 3 and layer.stats.backward_replays == 3
@@ -180,18 +170,18 @@ def test_beyond_max_captures_runs_unfused():
 
 
 def test_reset_drops_the_fused_executables():
-  layer_fn, calls = _counting(mlp)
+  layer_fn, calls = counting(mlp)
   params, x = _params(2), _x()
   layers = jg.make_graphed([layer_fn] * 2, sample_args=[(p, x) for p in params],
                            num_warmup_iters=0)
   y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
   pullback(jnp.ones_like(y))
-  before = calls[0]
+  before = calls()
   layers[1].reset()
   assert not layers[0]._config.segments
   y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
   pullback(jnp.ones_like(y))
-  assert calls[0] - before == 2  # the chain was traced again
+  assert calls() - before == 2  # the chain was traced again
 
 
 def test_fused_pullback_is_one_shot_and_keys_are_checked():

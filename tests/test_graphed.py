@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jaxgraph as jg
-from models import (attention, init_attention, init_mlp, mlp, reference_stack, trees_equal)
+from models import (attention, counting, init_attention, init_mlp, mlp, reference_stack,
+                    trees_equal)
 
 D, H, T = 16, 32, 8
 
@@ -47,18 +48,13 @@ def test_training_matches_jit_vjp_bitwise(dtype):
 
 
 def test_identical_layers_compile_once():
-  traces = 0
-
-  def layer(p, x):
-    nonlocal traces
-    traces += 1
-    return mlp(p, x)
+  layer, traces = counting(mlp)
 
   params = [init_mlp(k, D, H) for k in jax.random.split(jax.random.key(0), 12)]
   x = jnp.ones((T, D))
   layers = jg.make_graphed([layer] * 12, sample_args=[(p, x) for p in params],
                            num_warmup_iters=2)
-  assert traces == 1
+  assert traces() == 1
   assert sum(l.stats.captures for l in layers) == 1
   assert sum(l.stats.cache_hits for l in layers) == 11
   compiles = sum(l.stats.compiles for l in layers)
@@ -66,7 +62,7 @@ def test_identical_layers_compile_once():
   for _ in range(3):
     y, pullback = jg.sequential_vjp(layers, params, x)
     pullback(jnp.ones_like(y))
-  assert traces == 1, "replay must not retrace"
+  assert traces() == 1, "replay must not retrace"
   assert sum(l.stats.compiles for l in layers) == compiles, "replay must not recompile"
   assert [l.stats.replays for l in layers] == [3] * 12
   assert [l.stats.backward_replays for l in layers] == [3] * 12
@@ -221,12 +217,7 @@ def test_jax_grad_through_graphed_layers_matches_pullback():
 
 
 def test_reset_drops_executables_and_recaptures():
-  traces = 0
-
-  def layer(p, x):
-    nonlocal traces
-    traces += 1
-    return mlp(p, x)
+  layer, traces = counting(mlp)
 
   params = init_mlp(jax.random.key(0), D, H)
   x = jnp.ones((T, D))
@@ -234,7 +225,7 @@ def test_reset_drops_executables_and_recaptures():
   g.reset()
   assert g._entries == {} and g._config.cache == {}
   y = g(params, x)
-  assert traces == 2 and g.stats.captures == 2
+  assert traces() == 2 and g.stats.captures == 2
   assert trees_equal(y, jax.jit(mlp)(params, x))
 
 

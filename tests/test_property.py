@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxgraph as jg
+from models import counting
 
 MAX_EXAMPLES = int(os.environ.get("JAXGRAPH_PROPERTY_EXAMPLES", "15"))
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -221,22 +222,14 @@ def _check_stack(s: Stack) -> None:
   as_sample = (lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)) if s.abstract_samples else (
       lambda a: a)
   samples = [jax.tree.map(as_sample, (p, x)) for p, x in zip(params, xs[:-1])]
-  traces = 0
-
-  def counted(fn):
-    def wrapper(*args, **kwargs):
-      nonlocal traces
-      traces += 1
-      return fn(*args, **kwargs)
-    return wrapper
-
-  wrapped = {kind: counted(fn) for kind, fn in KINDS.items()}  # one per kind: shared captures
-  layers = jg.make_graphed([wrapped[kind] for kind, _ in s.layers], sample_args=samples,
+  wrapped = {kind: counting(fn) for kind, fn in KINDS.items()}  # one per kind: shared captures
+  traces = lambda: sum(count() for _, count in wrapped.values())
+  layers = jg.make_graphed([wrapped[kind][0] for kind, _ in s.layers], sample_args=samples,
                            num_warmup_iters=s.warmup, rng=s.rng)
 
   # Identical layers (same function, same signature) share one capture.
   distinct = {(kind, pdt) for kind, pdt in s.layers}
-  assert sum(l.stats.captures for l in layers) == len(distinct) == traces
+  assert sum(l.stats.captures for l in layers) == len(distinct) == traces()
   assert sum(l.stats.cache_hits for l in layers) == len(fns) - len(distinct)
 
   # Forward only (inference executables), layer by layer.
@@ -265,7 +258,7 @@ def _check_stack(s: Stack) -> None:
   assert_bitwise(g_x, ref_gx, "sequential_vjp input grads")
 
   # Replays neither retrace nor fall back.
-  assert sum(l.stats.captures for l in layers) == len(distinct) == traces
+  assert sum(l.stats.captures for l in layers) == len(distinct) == traces()
   assert all(l.stats.fallbacks == 0 for l in layers)
   assert [l.stats.replays for l in layers] == [3] * len(fns)
   assert [l.stats.backward_replays for l in layers] == [2] * len(fns)
