@@ -6,7 +6,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgraph import graphed as graphed_lib
 from jaxgraph import hooks as hooks_lib

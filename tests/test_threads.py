@@ -10,7 +10,6 @@ import threading
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
