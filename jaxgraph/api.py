@@ -198,6 +198,7 @@ def make_graphed(
     offload_residuals: bool | Sequence[bool] = False,
     max_captures: int = 8,
     on_new_signature: graphed_lib.OnNewSignature = "capture",
+    remat_policy: Callable[..., bool] | None = None,
 ) -> graphed_lib.GraphedCallable | tuple[graphed_lib.GraphedCallable, ...]:
   """Captures per-layer functions into ahead-of-time compiled forward/backward executables.
 
@@ -238,6 +239,12 @@ def make_graphed(
       run through `jax.jit` (one warning).
     on_new_signature: "capture" (up to `max_captures`) or "error" (raise on any signature
       that was not captured from `sample_args`).
+    remat_policy: which intermediates the forward saves for the backward, as a
+      `jax.checkpoint` policy; the others are recomputed inside the backward executable. None
+      saves every residual `jax.vjp` keeps. `jaxgraph.residuals.recompute_elementwise` saves
+      matmul, attention, reduction and mask outputs and recomputes elementwise ops, as XLA
+      does inside one whole-step executable (docs/performance.md: less device time and
+      memory where a layer has float32 norm intermediates or wide activations).
 
   Returns:
     One `GraphedCallable` for a single callable, else a tuple of them.
@@ -264,6 +271,9 @@ def make_graphed(
   if on_new_signature not in _ON_NEW_SIGNATURE:
     raise ValueError(f"on_new_signature must be one of {_ON_NEW_SIGNATURE}, got "
                      f"{on_new_signature!r}.")
+  if remat_policy is not None and not callable(remat_policy):
+    raise TypeError(f"remat_policy must be a jax.checkpoint policy (a callable, e.g. "
+                    f"jaxgraph.residuals.recompute_elementwise) or None, got {remat_policy!r}.")
   for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
     if hook is not None and not callable(hook):
       raise TypeError(f"{name} must be a callable taking no arguments, got {hook!r}.")
@@ -295,7 +305,7 @@ def make_graphed(
 
   config = graphed_lib.Config(rng=seed is not None, delay_wgrad=delay_wgrad,
                               wgrad_argnums=wgrad_argnums, max_captures=max_captures,
-                              on_new_signature=on_new_signature)
+                              on_new_signature=on_new_signature, remat_policy=remat_policy)
   layers = [graphed_lib.GraphedCallable(fn, i, config, hooks=replay_hooks[i],
                                         capture_time_hooks=capture_hooks[i], offload=offload[i])
             for i, fn in enumerate(fn_list)]

@@ -32,6 +32,9 @@ class Stats(NamedTuple):
     replays: forward replays (calls and `vjp`), warmup excluded.
     backward_replays: backward replays (pullback calls), warmup excluded.
     fallbacks: calls run through plain `jax.jit` after `max_captures` signatures.
+    residual_bytes: bytes one `vjp` keeps alive for its backward besides the arguments and
+      outputs the caller holds anyway (kept residuals), for the signature captured last; 0
+      before any capture. Lower it with `make_graphed(..., remat_policy=...)`.
   """
 
   captures: int
@@ -41,6 +44,7 @@ class Stats(NamedTuple):
   replays: int
   backward_replays: int
   fallbacks: int
+  residual_bytes: int
 
 
 @dataclasses.dataclass
@@ -52,6 +56,7 @@ class Config:
   wgrad_argnums: tuple[int, ...]
   max_captures: int
   on_new_signature: OnNewSignature
+  remat_policy: Callable[..., bool] | None = None
   # (function, signature, offload) -> executables, shared by identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
   # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
@@ -203,8 +208,9 @@ class GraphedCallable:
       hits += segment._cache_hits
       compiles += segment._compiles
       seconds += segment._compile_seconds
+    last = next(reversed(self._entries.values()), None)
     return Stats(captures, hits, compiles, seconds, self._replays, self._backward_replays,
-                 self._fallbacks)
+                 self._fallbacks, last.residual_bytes if last is not None else 0)
 
   def reset(self) -> None:
     """Drops this callable's executables, and those of fused segments it belongs to; its
@@ -362,7 +368,7 @@ class GraphedCallable:
         try:
           entry = capture_lib.capture(
               self.fn, signature, n_keys=self._n_keys, backward=_backward_plan(config, signature),
-              offload=self._offload, name=self.name)
+              offload=self._offload, remat_policy=config.remat_policy, name=self.name)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")
