@@ -240,11 +240,15 @@ def make_graphed(
     on_new_signature: "capture" (up to `max_captures`) or "error" (raise on any signature
       that was not captured from `sample_args`).
     remat_policy: which intermediates the forward saves for the backward, as a
-      `jax.checkpoint` policy; the others are recomputed inside the backward executable. None
-      saves every residual `jax.vjp` keeps. `jaxgraph.residuals.recompute_elementwise` saves
-      matmul, attention, reduction and mask outputs and recomputes elementwise ops, as XLA
-      does inside one whole-step executable (docs/performance.md: less device time and
-      memory where a layer has float32 norm intermediates or wide activations).
+      `jax.checkpoint` policy; the others are recomputed inside the backward executable.
+      None (the default) saves every residual `jax.vjp` keeps: bitwise `jax.vjp(fn)`.
+      `jaxgraph.residuals.recompute_elementwise` saves the outputs of matmuls, attention,
+      reductions and comparisons (masks) and recomputes elementwise ops and layout changes,
+      as XLA does by fusion inside one whole-step executable: a quarter of the residual
+      memory and less device time for a GPT block (docs/performance.md). With a policy the
+      results are bitwise those of `jax.vjp(jax.checkpoint(fn, policy=...))`, which can
+      differ from `jax.vjp(fn)` by rounding (jax.checkpoint rounds saved values to their
+      dtype: `reduce_precision`).
 
   Returns:
     One `GraphedCallable` for a single callable, else a tuple of them.

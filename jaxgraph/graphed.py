@@ -174,6 +174,8 @@ class GraphedCallable:
     self.fn = fn
     self.index = index
     self.name = f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]"
+    # Each replay shows up under these names in a jax.profiler trace (TensorBoard, Perfetto).
+    self._trace_names = (f"jaxgraph {self.name} forward", f"jaxgraph {self.name} backward")
     self._config = config
     self._hooks = hooks
     self._capture_time_hooks = capture_time_hooks
@@ -429,8 +431,9 @@ class GraphedCallable:
     if seconds:
       self._compiles += 1
       self._compile_seconds += seconds
+    with jax.profiler.TraceAnnotation(self._trace_names[0]):
+      values = (exe(*self._stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
     if stream_mode:
-      values = exe(*self._stream_inputs(stream), *inputs)
       # outputs and kept residuals, then one derived key and one next counter per key
       n = len(values) - 2 * layout.n_keys
       derived, counters = values[n:n + layout.n_keys], values[n + layout.n_keys:]
@@ -438,8 +441,6 @@ class GraphedCallable:
       inputs = inputs + derived
       if stream is None:
         self._advance(counters)
-    else:
-      values = exe(*inputs)
     if not with_pullback:
       return (jax.tree.unflatten(layout.out_treedef, values),)
     outs, kept = values[:layout.n_out], values[layout.n_out:]
@@ -451,7 +452,8 @@ class GraphedCallable:
     def run(kind: capture_lib.BackwardKind, cts: list[Any]) -> list[Any]:
       exe, _ = entry.backward[kind]
       try:
-        return exe(*needed_inputs, *needed_outputs, *kept, *cts)
+        with jax.profiler.TraceAnnotation(owner._trace_names[1]):
+          return exe(*needed_inputs, *needed_outputs, *kept, *cts)
       except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
         if any(getattr(x, "is_deleted", lambda: False)() for x in needed_inputs + needed_outputs):
           raise RuntimeError(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
 import warnings
 
 import jax
@@ -249,3 +252,21 @@ def test_equivalent_partition_specs_are_one_signature():
   y = g(params, jax.device_put(jnp.ones((T, D)), short))
   assert trees_equal(y, g(params, jax.device_put(jnp.ones((T, D)), long)))
   assert g.stats.captures == 1
+
+
+def test_replays_are_named_in_a_profiler_trace(tmp_path):
+  """Each replayed layer's forward and backward shows up by name in a jax.profiler trace."""
+  params = [init_mlp(k, 4, 8) for k in jax.random.split(jax.random.key(0), 2)]
+  x = jnp.ones((3, 4))
+  layers = jg.make_graphed([mlp, mlp], sample_args=[(p, x) for p in params])
+  with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+    y, pullback = jg.sequential_vjp(layers, params, x)
+    jax.block_until_ready(pullback(jnp.ones_like(y)))
+  [path] = glob.glob(str(tmp_path / "**" / "perfetto_trace.json.gz"), recursive=True)
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {e.get("name") for e in events}
+  for i in range(2):
+    assert f"jaxgraph mlp[{i}] forward" in names
+    assert f"jaxgraph mlp[{i}] backward" in names
