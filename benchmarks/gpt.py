@@ -33,6 +33,7 @@ SIZES = {
     "tiny": Size("tiny", d=32, heads=2, seq=8, batch=2, layers=2),
     "small": Size("small", d=512, heads=8, seq=256, batch=8, layers=12),
     "medium": Size("medium", d=2048, heads=16, seq=1024, batch=8, layers=12),
+    "large": Size("large", d=4096, heads=32, seq=2048, batch=4, layers=12),
 }
 
 
