@@ -17,7 +17,7 @@ Variants (step = forward + loss gradient + backward + SGD update):
   jaxgraph-hooks      the same as jaxgraph, with a no-op pre_forward and backward replay hook
                       on every layer
   jaxgraph-nodropout  rng=False, no dropout
-  jaxgraph-recompute[-nodropout]
+  jaxgraph-recompute[-nodropout], jaxgraph-fuse-recompute
                       make_graphed(..., remat_policy=jaxgraph.residuals.recompute_elementwise):
                       elementwise intermediates recomputed in the backward, not saved
   jaxgraph-fuse       the same as jaxgraph with sequential_vjp(..., fuse=True): boundary fusion
@@ -67,6 +67,7 @@ from jaxgraph import residuals  # noqa: E402
 
 JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
                 "jaxgraph-recompute", "jaxgraph-recompute-nodropout", "jaxgraph-fuse",
+                "jaxgraph-fuse-recompute",
                 "jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked",
                 "jaxgraph-fuse-unpacked", "jit-unrolled", "jit-unrolled-nodropout", "jit-scan")
 NO_DROPOUT = "-nodropout"  # compared with jit-unrolled-nodropout
@@ -149,7 +150,7 @@ def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0:
     return Variant(name, keys_step, (params, jnp.int32(0)), 0.0, executables=2 * count + 3,
                    layers=layers)
 
-  fuse = name == "jaxgraph-fuse"
+  fuse = name.startswith("jaxgraph-fuse")
 
   def step(ps: list[Any]) -> list[Any]:
     y, pullback = jg.sequential_vjp(layers, ps, x0, fuse=fuse)
