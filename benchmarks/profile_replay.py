@@ -82,7 +82,8 @@ def _host_events(trace: dict[str, Any], steps: int, top: int = 25) -> dict[str, 
 
 def sample_native(variant: bench.Variant, seconds: float, path: str) -> None:
   """Replays `variant` for `seconds` under py-spy's sampling profiler with native frames
-  (the runtime's C++ under `Compiled.__call__`), written as collapsed stacks to `path`."""
+  (the runtime's C++ under `Compiled.__call__`), written as collapsed stacks to `path`, and
+  the steps and executable calls that ran to `path` with `.json` (`native_breakdown.py`)."""
   spy = shutil.which("py-spy")
   if spy is None:
     print("py-spy not found: no native sampling profile")
@@ -91,11 +92,17 @@ def sample_native(variant: bench.Variant, seconds: float, path: str) -> None:
                               "1000", "--format", "raw", "--duration", str(int(seconds)),
                               "--output", path], stdout=subprocess.DEVNULL)
   time.sleep(1.0)  # py-spy attaches
-  end = time.perf_counter() + seconds
-  while time.perf_counter() < end and sampler.poll() is None:
+  start = time.perf_counter()
+  steps = 0
+  while time.perf_counter() < start + seconds and sampler.poll() is None:
     variant.state = variant.step(variant.state)
+    steps += 1
   jax.block_until_ready(variant.state)
+  elapsed = time.perf_counter() - start
   sampler.wait()
+  with open(os.path.splitext(path)[0] + ".json", "w") as f:
+    json.dump(dict(variant=variant.name, seconds=elapsed, steps=steps,
+                   calls=steps * variant.executables), f)
 
 
 def host_profile(variant: bench.Variant, steps: int) -> str:
@@ -119,7 +126,7 @@ def main() -> None:
   parser.add_argument("--attention", default=None)
   parser.add_argument("--out", default=".")
   parser.add_argument("--sample-seconds", type=float, default=0.0,
-                      help="then replay jaxgraph this long under py-spy --native")
+                      help="then replay each jaxgraph variant this long under py-spy --native")
   args = parser.parse_args()
   attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else None)
   size = gpt.SIZES[args.size]
@@ -132,8 +139,9 @@ def main() -> None:
   if host:
     with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
       f.write(host_profile(host[0], 20 * args.steps))
-    if args.sample_seconds:
-      sample_native(host[0], args.sample_seconds, os.path.join(args.out, "native_stacks.txt"))
+  for v in variants:
+    if args.sample_seconds and v.name.startswith("jaxgraph"):
+      sample_native(v, args.sample_seconds, os.path.join(args.out, f"native_{v.name}.txt"))
   with open(os.path.join(args.out, "profile.json"), "w") as f:
     json.dump(dict(size=args.size, results=results), f, indent=1)
   for r in results:
