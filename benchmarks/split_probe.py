@@ -9,7 +9,9 @@ of one step of each variant named in `--profile`, kernels grouped by name.
 
 Variants: jit[-nodrop] (one jax.jit of the unrolled step, SGD inside), jaxgraph[-nodrop]
 (per-layer replay, separate loss-gradient and SGD executables), jaxgraph-elementwise[-nodrop]
-(`remat_policy=jaxgraph.residuals.recompute_elementwise`), jaxgraph-dots[-nodrop]
+(`remat_policy=jaxgraph.residuals.recompute_elementwise`), jaxgraph-elementwise-named[-nodrop]
+(the same, with the block's matmul inputs named by `checkpoint_name`, so saved),
+jaxgraph-dots[-nodrop]
 (`jax.checkpoint_policies.dots_saveable`).
 """
 
@@ -39,6 +41,7 @@ from jaxgraph import residuals  # noqa: E402
 POLICIES: dict[str, Callable[..., bool] | None] = {
     "": None,
     "-elementwise": residuals.recompute_elementwise,
+    "-elementwise-named": residuals.recompute_elementwise,  # block names its matmul inputs
     "-dots": jax.checkpoint_policies.dots_saveable,
 }
 
@@ -51,7 +54,7 @@ def build(name: str, size: gpt.Size, attention: str | None) -> tuple[Callable, A
   """`(step, state, info)` for one variant."""
   dropout = not name.endswith("-nodrop")
   base_name = name.removesuffix("-nodrop")
-  block = gpt.make_block(size.heads, attention)
+  block = gpt.make_block(size.heads, attention, name_matmul_inputs="-named" in name)
   params = gpt.init_params(size)
   x0 = gpt.init_input(size)
   count = size.layers

@@ -9,7 +9,9 @@ intermediate becomes a residual written by the forward and read by the backward.
 `recompute_elementwise` is a `jax.checkpoint` policy that restores what XLA does inside one
 executable: the outputs of matmuls, attention kernels, reductions, random bits and
 comparisons (1-byte masks) are saved; elementwise arithmetic and layout changes are
-recomputed in the backward from them.
+recomputed in the backward from them. Values named with `jax.ad_checkpoint.checkpoint_name`
+are saved too: name an elementwise result the forward writes out anyway (a matmul's input,
+such as a norm's output or an activation) to keep it rather than recompute it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import re
@@ -127,3 +128,26 @@ def test_policy_must_be_callable():
   params = init_mlp(jax.random.key(0), D, H)
   with pytest.raises(TypeError, match="remat_policy must be a jax.checkpoint policy"):
     jg.make_graphed(mlp, sample_args=(params, jnp.ones((T, D))), remat_policy="elementwise")
+
+
+def test_named_values_are_saved_under_the_policy():
+  """`checkpoint_name` keeps an elementwise value the policy would otherwise recompute."""
+
+  def block(p, x, *, name):
+    h = jnp.tanh(x @ p["w1"] + p["b1"])
+    return x + (ad_checkpoint.checkpoint_name(h, "activation") if name else h) @ p["w2"]
+
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  sizes = {}
+  for name in (False, True):
+    layer = jg.make_graphed(functools.partial(block, name=name), sample_args=(params, x),
+                            remat_policy=residuals.recompute_elementwise)
+    sizes[name] = layer.stats.residual_bytes
+    y, pullback = layer.vjp(params, x)
+    reference = _checkpointed(functools.partial(block, name=name),
+                              residuals.recompute_elementwise)
+    y_ref, vjp_ref = jax.jit(lambda p, x: jax.vjp(reference, p, x))(params, x)
+    assert trees_equal((y, pullback(jnp.ones_like(y))),
+                       (y_ref, jax.jit(lambda v, g: v(g))(vjp_ref, jnp.ones_like(y))))
+  assert sizes[True] == sizes[False] + T * H * 4  # the named (T, H) float32 activation
