@@ -27,7 +27,11 @@ from models import assert_equal_or_close, devices_for
 
 @pytest.fixture(scope="module")
 def mesh():
-  return fsdp.make_mesh(devices=devices_for(8)[:8])
+  """A mesh over 8 devices; the fixtures built on it run with its first device as JAX's
+  default device, as the `devices`-marked tests themselves do (tests/conftest.py)."""
+  devices = devices_for(8)[:8]
+  with jax.default_device(devices[0]):
+    yield fsdp.make_mesh(devices=devices)
 
 
 @pytest.fixture(scope="module")
