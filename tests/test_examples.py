@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -16,9 +17,13 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-  """One persistent compilation cache for the runs: the later ones skip XLA compiles."""
+  """One persistent compilation cache for the runs: the later ones skip XLA compiles.
+
+  The scripts run where the tests run: the environment tests/conftest.py set up (CPU, or the
+  GPU with deterministic reductions, which the bitwise resume check needs).
+  """
   cache = tmp_path_factory.mktemp("jax-cache")
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+  return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache),
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
@@ -44,7 +49,8 @@ def test_train_gpt_trains_checkpoints_and_resumes_bitwise(tmp_path, env):
   assert set(metrics["layer_ms"]["Block[1]"]) == {"forward", "backward"}
   # One fused whole-step executable may round reductions differently across layer
   # boundaries, so --check is close, not necessarily bitwise (per layer it is: test_flax).
-  assert metrics["check"]["max_loss_diff"] < 1e-4
+  # On GPU the fusions differ more, and 12 Adam steps carry the difference on: 10x more room.
+  assert metrics["check"]["max_loss_diff"] < (1e-4 if jax.default_backend() == "cpu" else 1e-3)
 
   _run("train_gpt.py", env, *common, "--out", str(parts), "--stop-after", "5")
   assert len(json.loads((parts / "metrics.json").read_text())["losses"]) == 5
