@@ -4,6 +4,7 @@ A port of the partial-capture semantics of Transformer Engine's and PyTorch's
 `make_graphed_callables`: see docs/index.md.
 """
 
+from jaxgraph import flat
 from jaxgraph import fsdp
 from jaxgraph import schedule
 from jaxgraph.api import make_graphed
@@ -18,6 +19,7 @@ __all__ = [
     "Hooks",
     "Pullback",
     "Stats",
+    "flat",
     "fsdp",
     "is_capturing",
     "make_graphed",
