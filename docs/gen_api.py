@@ -12,7 +12,7 @@ import types
 import jaxgraph
 
 PAGE = pathlib.Path(__file__).with_name("api.md")
-SUBMODULES = ("fsdp", "schedule", "flax", "rng")
+SUBMODULES = ("flat", "fsdp", "schedule", "flax", "rng")
 
 
 def _signature(obj: object) -> str:

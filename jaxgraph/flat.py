@@ -62,7 +62,8 @@ class BufferSpec(NamedTuple):
     return self.dtype.name if self.group is None else f"{self.group}.{self.dtype.name}"
 
 
-class FlatLayout(NamedTuple):
+@dataclasses.dataclass(frozen=True, repr=False)
+class FlatLayout:
   """The static part of a `FlatTree`: hashable, compared by value (it is the pytree's
   auxiliary data, so it is part of every signature the FlatTree appears in).
 
@@ -83,18 +84,11 @@ class FlatLayout(NamedTuple):
     buffers = ", ".join(f"{b.name}[{b.length}]" for b in self.buffers)
     return f"FlatLayout({len(self.slots)} leaves in {buffers or 'no buffers'})"
 
-  def unravel_buffers(self, buffers: Sequence[Any]) -> list[Any]:
-    """The leaves of the tree, sliced (and reshaped) out of `buffers`."""
-    if self.unravel_sharding is not None:
-      buffers = [jax.lax.with_sharding_constraint(b, self.unravel_sharding) for b in buffers]
-    return [_slice(buffers[slot.buffer], slot) for slot in self.slots]
-
 
 def _slice(buffer: Any, slot: Slot) -> Any:
   return jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size).reshape(slot.shape)
 
 
-@jax.tree_util.register_pytree_with_keys_class
 class FlatTree:
   """A pytree held as one 1-D buffer per (group, dtype); see `ravel`.
 
@@ -126,22 +120,6 @@ class FlatTree:
     self.buffers = buffers
     self.layout = layout
 
-  def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], FlatLayout]:
-    keys = (jax.tree_util.DictKey(spec.name) for spec in self.layout.buffers)
-    return tuple(zip(keys, self.buffers)), self.layout
-
-  def tree_flatten(self) -> tuple[tuple[Any, ...], FlatLayout]:
-    return self.buffers, self.layout
-
-  @classmethod
-  def tree_unflatten(cls, layout: FlatLayout, buffers: Sequence[Any]) -> FlatTree:
-    # JAX unflattens with anything as leaves (tracers, shardings, None, optax's MaskedNode):
-    # no checks here.
-    tree = object.__new__(cls)
-    tree.buffers = tuple(buffers)
-    tree.layout = layout
-    return tree
-
   def __repr__(self) -> str:
     return f"FlatTree({self.layout})"
 
@@ -151,12 +129,38 @@ class FlatTree:
     Works eagerly and under transformations (the slices are differentiable).
 
     Raises:
-      TypeError: if a buffer is not an array of the layout's length and dtype (e.g. a
+      ValueError: if a buffer is not an array of the layout's length and dtype (e.g. a
         FlatTree of optimizer masks or shardings).
     """
-    for buffer, spec in zip(self.buffers, self.layout.buffers):
-      _check_buffer(buffer, spec, self.layout)
-    return jax.tree.unflatten(self.layout.treedef, self.layout.unravel_buffers(self.buffers))
+    layout = self.layout
+    for buffer, spec in zip(self.buffers, layout.buffers):
+      _check_buffer(buffer, spec, layout)
+    buffers = self.buffers
+    if layout.unravel_sharding is not None:
+      buffers = [jax.lax.with_sharding_constraint(b, layout.unravel_sharding) for b in buffers]
+    return jax.tree.unflatten(layout.treedef,
+                              [_slice(buffers[slot.buffer], slot) for slot in layout.slots])
+
+
+def _flatten_with_keys(tree: FlatTree) -> tuple[tuple[tuple[Any, Any], ...], FlatLayout]:
+  keys = (jax.tree_util.DictKey(spec.name) for spec in tree.layout.buffers)
+  return tuple(zip(keys, tree.buffers)), tree.layout
+
+
+def _flatten(tree: FlatTree) -> tuple[tuple[Any, ...], FlatLayout]:
+  return tree.buffers, tree.layout
+
+
+def _unflatten(layout: FlatLayout, buffers: Sequence[Any]) -> FlatTree:
+  # JAX unflattens with anything as leaves (tracers, shardings, None, optax's MaskedNode):
+  # no checks here.
+  tree = object.__new__(FlatTree)
+  tree.buffers = tuple(buffers)
+  tree.layout = layout
+  return tree
+
+
+jax.tree_util.register_pytree_with_keys(FlatTree, _flatten_with_keys, _unflatten, _flatten)
 
 
 def _check_buffer(buffer: Any, spec: BufferSpec, layout: FlatLayout) -> None:
@@ -227,7 +231,7 @@ def ravel(tree: Any, *, group: Callable[[tuple[Any, ...], Any], Group] | None = 
   layout = FlatLayout(treedef, tuple(slots),
                       tuple(BufferSpec(g, d, n, n) for g, d, n in specs))
   buffers = [_concatenate(parts, spec.dtype) for parts, spec in zip(members, layout.buffers)]
-  return FlatTree.tree_unflatten(layout, buffers)
+  return _unflatten(layout, buffers)
 
 
 def _concatenate(parts: Sequence[Any], dtype: np.dtype) -> Any:
@@ -266,7 +270,7 @@ def mask(tree: Any, predicate: Callable[[Group], bool]) -> Any:
     if not isinstance(node, FlatTree):
       raise TypeError(f"flat.mask: found a {type(node).__name__} leaf outside any FlatTree; "
                       "mask takes FlatTrees (or pytrees of them), whose buffers have groups.")
-    return FlatTree.tree_unflatten(node.layout,
+    return _unflatten(node.layout,
                                    [bool(predicate(s.group)) for s in node.layout.buffers])
 
   return jax.tree.map(node_mask, tree, is_leaf=is_flat)
@@ -288,7 +292,7 @@ def pad(tree: FlatTree, multiple: int, *, min_size: int = 0) -> FlatTree:
       else spec for spec in tree.layout.buffers)
   buffers = [b if spec.length == b.shape[0] else jnp.pad(b, (0, spec.length - b.shape[0]))
              for b, spec in zip(tree.buffers, specs)]
-  return FlatTree(buffers, tree.layout._replace(buffers=specs))
+  return FlatTree(buffers, dataclasses.replace(tree.layout, buffers=specs))
 
 
 def with_unravel_sharding(tree: FlatTree, sharding: Sharding | None) -> FlatTree:
@@ -300,7 +304,7 @@ def with_unravel_sharding(tree: FlatTree, sharding: Sharding | None) -> FlatTree
   """
   if not isinstance(tree, FlatTree):
     raise TypeError(f"flat.with_unravel_sharding takes a FlatTree, got {type(tree).__name__}.")
-  return FlatTree.tree_unflatten(tree.layout._replace(unravel_sharding=sharding), tree.buffers)
+  return _unflatten(dataclasses.replace(tree.layout, unravel_sharding=sharding), tree.buffers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
