@@ -321,27 +321,30 @@ class Expansion:
     treedef: the structure of the arguments with every FlatTree unraveled.
     inputs: per expanded leaf, the argument leaf it comes from.
     slots: per expanded leaf, its slot in that buffer (None: the argument leaf itself).
-    layouts: per buffer argument leaf, the layout of its FlatTree.
+    layouts: per argument leaf, the layout of its FlatTree (None: not a buffer).
   """
 
   treedef: Any
   inputs: tuple[int, ...]
   slots: tuple[Slot | None, ...]
-  layouts: Mapping[int, FlatLayout]
+  layouts: tuple[FlatLayout | None, ...]
 
-  @property
-  def identity(self) -> bool:
-    return not self.layouts
+  @functools.cached_property
+  def _members(self) -> dict[int, list[int]]:
+    """Per argument leaf, its expanded leaves in buffer order."""
+    members: dict[int, list[int]] = {}
+    for j, i in enumerate(self.inputs):
+      members.setdefault(i, []).append(j)
+    return members
 
   def expand(self, leaves: Sequence[Any]) -> list[Any]:
     """The expanded leaves of the argument leaves `leaves` (slices of the buffers)."""
-    if self.identity:
-      return list(leaves)
     expanded = self.slices(dict(enumerate(leaves)), range(len(self.inputs)))
     return [expanded[j] for j in range(len(self.inputs))]
 
   def slices(self, leaves: Mapping[int, Any], wanted: Sequence[int]) -> dict[int, Any]:
-    """The expanded leaves `wanted`, from the argument leaves they come from."""
+    """The expanded leaves `wanted`, from the argument leaves they come from (each buffer
+    constrained to its layout's unravel sharding once)."""
     constrained: dict[int, Any] = {}
     out = {}
     for j in wanted:
@@ -359,19 +362,12 @@ class Expansion:
   def gradients(self, grads: Mapping[int, Any], select: Sequence[int]) -> list[Any]:
     """One gradient per argument leaf in `select`, from the gradients of expanded leaves:
     a buffer's is its slices' gradients concatenated (zeros for padding)."""
-    if self.identity:
-      return [grads[i] for i in select]
-    members: dict[int, list[int]] = {}
-    for j, i in enumerate(self.inputs):
-      members.setdefault(i, []).append(j)
     out = []
     for i in select:
-      layout = self.layouts.get(i)
+      layout, parts = self.layouts[i], self._members[i]
       if layout is None:
-        (j,) = members[i]
-        out.append(grads[j])
+        out.append(grads[parts[0]])
         continue
-      parts = sorted(members[i], key=lambda j: self.slots[j].offset)
       flat = [grads[j].reshape(-1) for j in parts]
       if layout.unravel_sharding is not None:  # the transpose of the unravel's constraint
         flat = [jax.lax.with_sharding_constraint(g, layout.unravel_sharding) for g in flat]
@@ -386,17 +382,14 @@ class Expansion:
 def expansion(treedef: Any) -> Expansion:
   """The `Expansion` of argument leaves of structure `treedef` (cached per structure)."""
   args = jax.tree.unflatten(treedef, range(treedef.num_leaves))
-  nodes = jax.tree.leaves(args, is_leaf=is_flat)
-  if not any(isinstance(node, FlatTree) for node in nodes):
-    n = treedef.num_leaves
-    return Expansion(treedef, tuple(range(n)), (None,) * n, {})
   inputs: list[int] = []
   slots: list[Slot | None] = []
-  layouts: dict[int, FlatLayout] = {}
-  for node in nodes:
+  layouts: list[FlatLayout | None] = [None] * treedef.num_leaves
+  for node in jax.tree.leaves(args, is_leaf=is_flat):
     if isinstance(node, FlatTree):
       for i in node.buffers:
         layouts[i] = node.layout
+      # in slot order: the flattening order of the unraveled tree
       for slot in node.layout.slots:
         inputs.append(node.buffers[slot.buffer])
         slots.append(slot)
@@ -406,4 +399,4 @@ def expansion(treedef: Any) -> Expansion:
   expanded = jax.tree.map(
       lambda node: (jax.tree.unflatten(node.layout.treedef, [0] * len(node.layout.slots))
                     if isinstance(node, FlatTree) else node), args, is_leaf=is_flat)
-  return Expansion(jax.tree.structure(expanded), tuple(inputs), tuple(slots), layouts)
+  return Expansion(jax.tree.structure(expanded), tuple(inputs), tuple(slots), tuple(layouts))
