@@ -96,7 +96,7 @@ class Layout:
   sources: tuple[Source, ...]
   packing: Packing
   diff: tuple[int, ...]             # argument leaves that get gradients (inexact dtypes)
-  expansion: flat_lib.Expansion     # argument leaves -> the leaves `fn` sees (FlatTrees unraveled)
+  expansion: flat_lib.Expansion     # argument leaves -> leaves `fn` sees (FlatTrees unraveled)
   expanded_diff: tuple[int, ...]    # expanded leaves differentiated (those of `diff`)
   needed_inputs: tuple[int, ...]    # forward inputs the backward reads
   needed_outputs: tuple[int, ...]   # forward outputs the backward reads
