@@ -241,7 +241,10 @@ def _concatenate(parts: Sequence[Any], dtype: np.dtype) -> Any:
 
 
 def unravel(tree: Any) -> Any:
-  """`tree` with every `FlatTree` in it (at any depth) replaced by its unraveled tree."""
+  """`tree` with every `FlatTree` in it (at any depth) replaced by its unraveled tree
+  (`tree` itself when it holds none)."""
+  if not any(isinstance(node, FlatTree) for node in jax.tree.leaves(tree, is_leaf=is_flat)):
+    return tree
   return jax.tree.map(lambda node: node.unravel() if isinstance(node, FlatTree) else node,
                       tree, is_leaf=is_flat)
 
