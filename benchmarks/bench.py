@@ -22,6 +22,8 @@ Variants (step = forward + loss gradient + backward + SGD update):
                       elementwise intermediates recomputed in the backward, not saved
   jaxgraph-fuse       the same as jaxgraph with sequential_vjp(..., fuse=True): boundary fusion
                       replays the hook-free stack as one forward and one backward executable
+  jaxgraph-flat       the same as jaxgraph with each layer's params raveled (jg.flat.ravel): one
+                      buffer per dtype in, one gradient buffer per dtype out
   jaxgraph-raw        jaxgraph's own executables called from a bare loop, no jaxgraph Python
                       (a diagnostic: the floor of per-layer replay; jaxgraph minus this is its
                       Python overhead)
@@ -67,7 +69,7 @@ from jaxgraph import residuals  # noqa: E402
 
 JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
                 "jaxgraph-recompute", "jaxgraph-recompute-nodropout", "jaxgraph-fuse",
-                "jaxgraph-fuse-recompute",
+                "jaxgraph-fuse-recompute", "jaxgraph-flat",
                 "jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked",
                 "jaxgraph-fuse-unpacked", "jit-unrolled", "jit-unrolled-nodropout", "jit-scan")
 NO_DROPOUT = "-nodropout"  # compared with jit-unrolled-nodropout
@@ -75,6 +77,7 @@ TORCH_VARIANTS = ("torch-eager", "torch-graphed")
 # Diagnostics: what jaxgraph does, with one piece changed; they get no probe of their own.
 DIAGNOSTICS = ("jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked", "jaxgraph-fuse-unpacked")
 UNPACKED = "-unpacked"  # residuals travel one array each (capture.PACK_MAX_BYTES = 0)
+FLAT = "jaxgraph-flat"  # jaxgraph on raveled params (jg.flat)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -104,6 +107,8 @@ def build(name: str, size: gpt.Size, attention: str | None, layers: int | None =
   count = layers or size.layers
   block = gpt.make_block(size.heads, attention)
   params = gpt.init_params(dataclasses.replace(size, layers=count))
+  if name == FLAT:
+    params = [jg.flat.ravel(p) for p in params]
   x0 = gpt.init_input(size)
   jax.block_until_ready((params, x0))
   start = time.perf_counter()
@@ -115,6 +120,9 @@ def build(name: str, size: gpt.Size, attention: str | None, layers: int | None =
       variant = _build_jaxgraph(name.removesuffix(UNPACKED), block, params, x0, count)
     finally:
       capture_lib.PACK_MAX_BYTES = pack_max_bytes
+    variant.name = name
+  elif name == FLAT:
+    variant = _build_jaxgraph("jaxgraph", block, params, x0, count)
     variant.name = name
   else:
     variant = _build_jaxgraph(name, block, params, x0, count)

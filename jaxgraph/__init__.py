@@ -7,6 +7,7 @@ A port of the partial-capture semantics of Transformer Engine's and PyTorch's
 import importlib
 import types
 
+from jaxgraph import flat
 from jaxgraph import fsdp
 from jaxgraph import residuals
 from jaxgraph import schedule
@@ -27,6 +28,7 @@ __all__ = [
     "Pullback",
     "Stats",
     "flax",
+    "flat",
     "fsdp",
     "is_capturing",
     "make_graphed",

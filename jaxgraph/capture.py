@@ -18,6 +18,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgraph import flat as flat_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph import signature as sig_lib
@@ -76,9 +77,11 @@ def plan_packing(kept: Sequence[Any], *, enabled: bool) -> Packing:
                  shapes=tuple(tuple(aval.shape) for aval in kept))
 
 
-# Where the backward finds each residual leaf of the VJP: an input of the forward, an output
-# the caller already holds, or a leaf the forward returned only for the backward ("kept").
-Source = tuple[Literal["in", "out", "kept"], int]
+# Where the backward finds each residual leaf of the VJP: an input of the forward, a slice of
+# a flat input buffer (a leaf of an unraveled FlatTree, recomputed from the buffer: never
+# stored), an output the caller already holds, or a leaf the forward returned only for the
+# backward ("kept").
+Source = tuple[Literal["in", "slice", "out", "kept"], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,8 @@ class Layout:
   sources: tuple[Source, ...]
   packing: Packing
   diff: tuple[int, ...]             # argument leaves that get gradients (inexact dtypes)
+  expansion: flat_lib.Expansion     # argument leaves -> leaves `fn` sees (FlatTrees unraveled)
+  expanded_diff: tuple[int, ...]    # expanded leaves differentiated (those of `diff`)
   needed_inputs: tuple[int, ...]    # forward inputs the backward reads
   needed_outputs: tuple[int, ...]   # forward outputs the backward reads
 
@@ -176,30 +181,38 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
 
   The jaxpr maps `(*arg_leaves, *keys)` to `[*output_leaves, *kept_residuals]`. `fn` gets
   `key=` one key when `n_keys == 1`, a tuple of `n_keys` keys when more (a fused chain).
+  Every FlatTree among the arguments reaches `fn` unraveled; the VJP is taken with respect
+  to the unraveled leaves, so the slices it keeps are recomputed by the backward.
   With `remat_policy`, `fn` runs under `jax.checkpoint` with that policy: only what the
   policy saves is kept, the rest is recomputed in the backward.
   """
   n_args = len(signature.leaves)
   diff = tuple(i for i, s in enumerate(signature.leaves) if _is_inexact(s.dtype))
+  expansion = flat_lib.expansion(signature.treedef)
+  differentiated = set(diff)
+  expanded_diff = tuple(j for j, i in enumerate(expansion.inputs) if i in differentiated)
   found: dict[str, Any] = {}
 
   def forward(*flat):
     arg_leaves, keys = list(flat[:n_args]), flat[n_args:]
+    expanded = expansion.expand(arg_leaves)
 
     def primal(*diff_leaves):
-      leaves = list(arg_leaves)
-      for i, leaf in zip(diff, diff_leaves):
-        leaves[i] = leaf
-      return _apply(fn, jax.tree.unflatten(signature.treedef, leaves), keys)
+      leaves = list(expanded)
+      for j, leaf in zip(expanded_diff, diff_leaves):
+        leaves[j] = leaf
+      return _apply(fn, jax.tree.unflatten(expansion.treedef, leaves), keys)
 
     if remat_policy is not None:
       # No CSE across forward and backward is possible: they are different executables.
       primal = jax.checkpoint(primal, policy=remat_policy, prevent_cse=False)
-    out, vjp_fn = jax.vjp(primal, *[arg_leaves[i] for i in diff])
+    out, vjp_fn = jax.vjp(primal, *[expanded[j] for j in expanded_diff])
     out_leaves, out_treedef = jax.tree.flatten(out)
     residuals, res_treedef = jax.tree.flatten(vjp_fn)
-    # Residuals that are inputs or outputs are not returned again (that would copy them).
-    position = {id(v): ("in", i) for i, v in enumerate(flat)}
+    # Residuals that are inputs, slices of inputs or outputs are not returned again (that
+    # would copy them).
+    position = {id(v): ("slice", j) for j, v in enumerate(expanded)}
+    position.update({id(v): ("in", i) for i, v in enumerate(flat)})
     position.update({id(v): ("out", i) for i, v in enumerate(out_leaves)})
     sources, kept = [], []
     for r in residuals:
@@ -222,7 +235,10 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
   layout = Layout(
       n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"], out_specs=out_specs,
       res_treedef=found["res_treedef"], sources=sources, packing=packing, diff=diff,
-      needed_inputs=tuple(sorted({i for kind, i in sources if kind == "in"})),
+      expansion=expansion, expanded_diff=expanded_diff,
+      needed_inputs=tuple(sorted({i for kind, i in sources if kind == "in"}
+                                 | {expansion.inputs[j] for kind, j in sources
+                                    if kind == "slice"})),
       needed_outputs=tuple(sorted({i for kind, i in sources if kind == "out"})))
   return traced.jaxpr, layout
 
@@ -231,15 +247,18 @@ def trace_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_k
                     name: str) -> tuple[Any, Layout]:
   """Traces `fn` once as it is, not through `jax.vjp`: a forward that keeps nothing.
 
-  The jaxpr maps `(*arg_leaves, *keys)` to the output leaves. The layout has no residuals
+  The jaxpr maps `(*arg_leaves, *keys)` to the output leaves; FlatTrees among the arguments
+  reach `fn` unraveled. The layout has no residuals
   and no differentiated leaves, so only outputs-only forwards are built from it; a function
   `jax.vjp` cannot trace (a `lax.while_loop` of a decode step) traces here.
   """
   n_args = len(signature.leaves)
   found: dict[str, Any] = {}
 
+  expansion = flat_lib.expansion(signature.treedef)
+
   def forward(*flat):
-    args = jax.tree.unflatten(signature.treedef, list(flat[:n_args]))
+    args = jax.tree.unflatten(expansion.treedef, expansion.expand(list(flat[:n_args])))
     out_leaves, found["out_treedef"] = jax.tree.flatten(_apply(fn, args, flat[n_args:]))
     return out_leaves
 
@@ -247,7 +266,8 @@ def trace_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_k
   layout = Layout(
       n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"],
       out_specs=_output_specs(traced.out_info, name), res_treedef=None, sources=(),
-      packing=plan_packing((), enabled=False), diff=(), needed_inputs=(), needed_outputs=())
+      packing=plan_packing((), enabled=False), diff=(), needed_inputs=(), needed_outputs=(),
+      expansion=expansion, expanded_diff=())
   return traced.jaxpr, layout
 
 
@@ -286,7 +306,7 @@ def _forward_specs(signature: sig_lib.Signature, layout: Layout,
 def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Callable[..., Any]:
   a, b, c = len(layout.needed_inputs), len(layout.needed_outputs), layout.n_kept
   ct_leaves = set(layout.ct_leaves)
-  diff_position = {leaf: k for k, leaf in enumerate(layout.diff)}
+  sliced = sorted({j for kind, j in layout.sources if kind == "slice"})
 
   def backward(*flat):
     ins = dict(zip(layout.needed_inputs, flat[:a]))
@@ -296,12 +316,13 @@ def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Call
       kept = [offload_lib.to_device(k) for k in kept]
     kept = layout.packing.unpack(kept)
     cts = iter(flat[a + b + c:])
-    table = {"in": ins, "out": outs, "kept": kept}
+    slices = layout.expansion.slices(ins, sliced)
+    table = {"in": ins, "slice": slices, "out": outs, "kept": kept}
     vjp_fn = jax.tree.unflatten(layout.res_treedef, [table[k][i] for k, i in layout.sources])
     ct = [next(cts) if i in ct_leaves else np.zeros(s.shape, jax.dtypes.float0)
           for i, s in enumerate(layout.out_specs)]
     grads = vjp_fn(jax.tree.unflatten(layout.out_treedef, ct))
-    return [grads[diff_position[leaf]] for leaf in select]
+    return layout.expansion.gradients(dict(zip(layout.expanded_diff, grads)), select)
 
   return backward
 

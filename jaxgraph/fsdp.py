@@ -14,6 +14,14 @@ XLA emits all-reduce + dynamic-slice instead, see docs/fsdp.md).
   layer = jg.fsdp.remat(lambda p, x: block(jg.fsdp.gather(p, mesh), x))
   layers = jg.make_graphed([layer] * n, sample_args=[(p, x) for p in params])
 
+Flat layer buffers (`jg.flat.ravel`) shard as whole buffers: `shard` pads each to a
+multiple of the axis size and marks it to be gathered before it is unraveled, so a layer
+all-gathers one buffer per dtype (not one array per weight), and the backward recomputes the
+gathered slices instead of keeping them (no `remat` needed for the weights):
+
+  flat = jg.fsdp.shard([jg.flat.ravel(p) for p in params], mesh)
+  layers = jg.make_graphed([block] * n, sample_args=[(p, x) for p in flat])
+
 The same program runs over the devices of several processes after
 `jax.distributed.initialize()`: the mesh spans `jax.devices()`, every process runs the
 same layers, and XLA inserts the cross-process collectives.
@@ -26,6 +34,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxgraph import flat as flat_lib
 
 # Leaves with fewer elements than this stay replicated: sharding a bias or a norm scale saves
 # no memory worth a collective, and gathering it costs one more collective per layer.
@@ -85,9 +95,26 @@ def shardings(tree: Any, mesh: Mesh, axis: str = "fsdp", *,
 def shard(tree: Any, mesh: Mesh, axis: str = "fsdp", *, min_size: int = MIN_SHARD_SIZE) -> Any:
   """Places every leaf of `tree` sharded along `axis` (rule: `partition_spec`).
 
+  Every `jg.flat.FlatTree` in `tree` is first padded (`jg.flat.pad`): each buffer of at
+  least `min_size` elements to a multiple of the axis size, so it shards evenly (the padding
+  is never unraveled and its gradient is zero: numerics are unchanged). Its layout then
+  constrains the buffers to replicated before unravelling (`jg.flat.with_unravel_sharding`):
+  inside a layer's executable, one all-gather per buffer. The layer function needs no
+  `gather`, and the gathered slices are recomputed by the backward, never kept.
+
   With several processes (`jax.distributed.initialize`) every process passes the same full
   values (e.g. from the same seed) and keeps only the shards of its own devices.
   """
+  n = _axis_size(mesh, axis)
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def prepare(node: Any) -> Any:
+    if not isinstance(node, flat_lib.FlatTree):
+      return node
+    padded = flat_lib.pad(node, n, min_size=min_size)
+    return flat_lib.with_unravel_sharding(padded, replicated)
+
+  tree = jax.tree.map(prepare, tree, is_leaf=flat_lib.is_flat)
   return jax.device_put(tree, shardings(tree, mesh, axis, min_size=min_size))
 
 

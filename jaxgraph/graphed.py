@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgraph import capture as capture_lib
+from jaxgraph import flat as flat_lib
 from jaxgraph import hooks as hooks_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph import signature as sig_lib
@@ -330,6 +331,7 @@ class GraphedCallable:
     return leaves, treedef
 
   def _call_traced(self, args: tuple[Any, ...], key: Any) -> Any:
+    args = flat_lib.unravel(args)  # as inside a capture: fn sees its own pytrees
     if self._config.rng:
       if key is None:
         raise TypeError(f"{self.name} was called under a JAX transformation without key=; "
@@ -371,7 +373,7 @@ class GraphedCallable:
             "with new signatures now run through jax.jit (no hooks are lost, but each new "
             "signature compiles). Raise max_captures, or keep argument shapes fixed.",
             stacklevel=4)
-        self._fallback = jax.jit(self.fn)
+        self._fallback = jax.jit(flat_lib.unravelling(self.fn))
       return None
     return self._capture(signature)
 

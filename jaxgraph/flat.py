@@ -1,0 +1,405 @@
+"""Flat layer buffers: a pytree of parameters held as one 1-D buffer per (group, dtype).
+
+The runtime's host cost of calling an executable grows with its number of argument and
+output arrays (~4 µs per leaf on a GPU). A layer with a dozen weights passes a dozen leaves
+to its forward and gets a dozen gradients back from its backward; raveled, it passes one
+buffer per dtype and gets one gradient buffer per dtype back:
+
+  flat_params = [jg.flat.ravel(p) for p in params]          # FlatTree: buffers + layout
+  layers = jg.make_graphed([block] * n, sample_args=[(p, x) for p in flat_params])
+  y, pullback = jg.sequential_vjp(layers, flat_params, x)   # block still gets its own pytree
+  grads, _ = pullback(ct)                                   # FlatTrees of the same layout
+  updates, opt_state = tx.update(grads, opt_state, flat_params)  # optax, unchanged
+
+A `FlatTree` is a registered pytree whose leaves are its buffers and whose auxiliary data is
+its `FlatLayout` (static and hashable), so equal layouts give equal signatures and N
+identical layers still compile once. A GraphedCallable unravels every FlatTree among its
+arguments inside the trace (and on its traced and `jax.jit` fallback paths), so the layer
+function sees its own pytree; the backward recomputes those slices from the buffers it
+already receives instead of keeping copies of them as residuals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Sharding
+
+__all__ = ["FlatLayout", "FlatTree", "mask", "pad", "ravel", "unravel", "with_unravel_sharding"]
+
+Group = str | None
+
+
+class Slot(NamedTuple):
+  """Where one leaf of the raveled tree lives: `buffers[buffer][offset:offset + size]`."""
+
+  buffer: int
+  offset: int
+  shape: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+class BufferSpec(NamedTuple):
+  """One buffer: the leaves of one (group, dtype), `size` elements, padded to `length`."""
+
+  group: Group
+  dtype: np.dtype
+  size: int
+  length: int
+
+  @property
+  def name(self) -> str:
+    """The buffer's key in the pytree (and in checkpoints): `float32`, `decay.float32`."""
+    return self.dtype.name if self.group is None else f"{self.group}.{self.dtype.name}"
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class FlatLayout:
+  """The static part of a `FlatTree`: hashable, compared by value (it is the pytree's
+  auxiliary data, so it is part of every signature the FlatTree appears in).
+
+  Attributes:
+    treedef: the structure of the raveled tree.
+    slots: per leaf of the tree (in flattening order), where it lives.
+    buffers: per buffer, its group, dtype, used size and padded length.
+    unravel_sharding: if set, each buffer is constrained to this sharding before it is
+      unraveled (`jg.fsdp.shard` sets replicated: one all-gather per buffer and layer).
+  """
+
+  treedef: Any
+  slots: tuple[Slot, ...]
+  buffers: tuple[BufferSpec, ...]
+  unravel_sharding: Sharding | None = None
+
+  def __repr__(self) -> str:
+    buffers = ", ".join(f"{b.name}[{b.length}]" for b in self.buffers)
+    return f"FlatLayout({len(self.slots)} leaves in {buffers or 'no buffers'})"
+
+
+def _slice(buffer: Any, slot: Slot) -> Any:
+  return jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size).reshape(slot.shape)
+
+
+class FlatTree:
+  """A pytree held as one 1-D buffer per (group, dtype); see `ravel`.
+
+  Its pytree leaves are the buffers and its auxiliary data the `FlatLayout`, so
+  `jax.tree.map`, `optax`, `jax.device_put` and checkpointers see one array per buffer.
+
+  Attributes:
+    buffers: the 1-D buffers, one per `layout.buffers` entry.
+    layout: the static layout: the tree's structure and where each leaf lives.
+  """
+
+  __slots__ = ("buffers", "layout")
+
+  def __init__(self, buffers: Sequence[Any], layout: FlatLayout):
+    """Pairs buffers with a layout (e.g. restored buffers with the layout they were saved
+    with); checks that each buffer has its spec's dtype and length.
+
+    Raises:
+      ValueError: if the number of buffers, or a buffer's shape or dtype, does not match
+        `layout`.
+    """
+    buffers = tuple(buffers)
+    if len(buffers) != len(layout.buffers):
+      raise ValueError(f"FlatTree got {len(buffers)} buffers for a layout of "
+                       f"{len(layout.buffers)} ({layout}); pass the buffers it was raveled "
+                       "into, in order.")
+    for buffer, spec in zip(buffers, layout.buffers):
+      _check_buffer(buffer, spec, layout)
+    self.buffers = buffers
+    self.layout = layout
+
+  def __repr__(self) -> str:
+    return f"FlatTree({self.layout})"
+
+  def unravel(self) -> Any:
+    """The tree this was raveled from (leaves sliced out of the buffers; padding dropped).
+
+    Works eagerly and under transformations (the slices are differentiable).
+
+    Raises:
+      ValueError: if a buffer is not an array of the layout's length and dtype (e.g. a
+        FlatTree of optimizer masks or shardings).
+    """
+    layout = self.layout
+    for buffer, spec in zip(self.buffers, layout.buffers):
+      _check_buffer(buffer, spec, layout)
+    buffers = self.buffers
+    if layout.unravel_sharding is not None:
+      buffers = [jax.lax.with_sharding_constraint(b, layout.unravel_sharding) for b in buffers]
+    return jax.tree.unflatten(layout.treedef,
+                              [_slice(buffers[slot.buffer], slot) for slot in layout.slots])
+
+
+def _flatten_with_keys(tree: FlatTree) -> tuple[tuple[tuple[Any, Any], ...], FlatLayout]:
+  keys = (jax.tree_util.DictKey(spec.name) for spec in tree.layout.buffers)
+  return tuple(zip(keys, tree.buffers)), tree.layout
+
+
+def _flatten(tree: FlatTree) -> tuple[tuple[Any, ...], FlatLayout]:
+  return tree.buffers, tree.layout
+
+
+def _unflatten(layout: FlatLayout, buffers: Sequence[Any]) -> FlatTree:
+  # JAX unflattens with anything as leaves (tracers, shardings, None, optax's MaskedNode):
+  # no checks here.
+  tree = object.__new__(FlatTree)
+  tree.buffers = tuple(buffers)
+  tree.layout = layout
+  return tree
+
+
+jax.tree_util.register_pytree_with_keys(FlatTree, _flatten_with_keys, _unflatten, _flatten)
+
+
+def _check_buffer(buffer: Any, spec: BufferSpec, layout: FlatLayout) -> None:
+  shape, dtype = getattr(buffer, "shape", None), getattr(buffer, "dtype", None)
+  if shape != (spec.length,) or dtype != spec.dtype:
+    got = (f"{dtype}{list(shape)}" if shape is not None and dtype is not None
+           else type(buffer).__name__)
+    raise ValueError(f"buffer {spec.name!r} of {layout} must be a {spec.dtype}[{spec.length}] "
+                     f"array, got {got}; a FlatTree's buffers come from `ravel` of a tree of "
+                     "this layout (FlatTree(buffers, layout) pairs them explicitly).")
+
+
+def is_flat(node: Any) -> bool:
+  return isinstance(node, FlatTree)
+
+
+def ravel(tree: Any, *, group: Callable[[tuple[Any, ...], Any], Group] | None = None
+          ) -> FlatTree:
+  """Ravels the array leaves of `tree` into one 1-D buffer per (group, dtype).
+
+  Leaves keep their dtypes (a float32 and a bfloat16 weight give two buffers); buffers are
+  ordered by first appearance in the tree's flattening order. Works eagerly, under
+  `jax.jit`, and under `jax.eval_shape` (abstract sample args: a FlatTree of
+  `jax.ShapeDtypeStruct`s).
+
+  Args:
+    tree: a pytree of arrays (e.g. a layer's params dict, or an `nnx.State`).
+    group: optional `group(path, leaf) -> str | None` splitting the buffers further, e.g.
+      `lambda path, leaf: "decay" if leaf.ndim > 1 else "no_decay"` so that an optimizer
+      mask (`mask`) can treat each buffer as a whole.
+
+  Returns:
+    A `FlatTree`; `.unravel()` gives `tree` back. Weak types are not kept (a buffer is
+    strongly typed).
+
+  Raises:
+    TypeError: for a leaf that is not an array, a leaf of an extended dtype (PRNG keys),
+      or a group that is not a string or None.
+  """
+  leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  index: dict[tuple[Group, np.dtype], int] = {}
+  members: list[list[Any]] = []
+  specs: list[list[Any]] = []  # group, dtype, size per buffer (mutable while filling)
+  slots = []
+  for path, leaf in leaves_with_paths:
+    where = "leaf " + (jax.tree_util.keystr(path) or "(root)")
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not hasattr(leaf, "shape"):
+      raise TypeError(f"ravel: {where} is a {type(leaf).__name__}, not an array; ravel "
+                      "takes a pytree of arrays.")
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      raise TypeError(f"ravel: {where} has dtype {leaf.dtype} (a PRNG key?), which cannot be "
+                      "concatenated into a buffer; keep keys out of the raveled tree.")
+    name = None if group is None else group(path, leaf)
+    if name is not None and not isinstance(name, str):
+      raise TypeError(f"ravel: group returned {name!r} for {where}; it must return a str "
+                      "(the buffer's name) or None.")
+    key = (name, np.dtype(dtype))
+    if key not in index:
+      index[key] = len(specs)
+      specs.append([name, key[1], 0])
+      members.append([])
+    k = index[key]
+    shape = tuple(leaf.shape)
+    slots.append(Slot(k, specs[k][2], shape))
+    specs[k][2] += math.prod(shape)
+    members[k].append(leaf)
+  layout = FlatLayout(treedef, tuple(slots),
+                      tuple(BufferSpec(g, d, n, n) for g, d, n in specs))
+  buffers = [_concatenate(parts, spec.dtype) for parts, spec in zip(members, layout.buffers)]
+  return _unflatten(layout, buffers)
+
+
+def _concatenate(parts: Sequence[Any], dtype: np.dtype) -> Any:
+  if all(isinstance(p, jax.ShapeDtypeStruct) for p in parts):
+    return jax.ShapeDtypeStruct((sum(math.prod(p.shape) for p in parts),), dtype)
+  return jnp.concatenate([jnp.asarray(p, dtype).reshape(-1) for p in parts])
+
+
+def unravel(tree: Any) -> Any:
+  """`tree` with every `FlatTree` in it (at any depth) replaced by its unraveled tree
+  (`tree` itself when it holds none)."""
+  if not any(isinstance(node, FlatTree) for node in jax.tree.leaves(tree, is_leaf=is_flat)):
+    return tree
+  return jax.tree.map(lambda node: node.unravel() if isinstance(node, FlatTree) else node,
+                      tree, is_leaf=is_flat)
+
+
+def unravelling(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn` called with every FlatTree among its positional arguments unraveled."""
+
+  @functools.wraps(fn)
+  def call(*args: Any, **kwargs: Any) -> Any:
+    return fn(*unravel(args), **kwargs)
+
+  return call
+
+
+def mask(tree: Any, predicate: Callable[[Group], bool]) -> Any:
+  """One bool per buffer of every FlatTree in `tree`: `predicate(group)`.
+
+  For optimizer masks over flat params, e.g. weight decay on the "decay" buffers only:
+  `optax.adamw(lr, mask=lambda p: jg.flat.mask(p, lambda group: group == "decay"))`.
+
+  Raises:
+    TypeError: if `tree` has a leaf outside any FlatTree (it would have no group).
+  """
+
+  def node_mask(node: Any) -> Any:
+    if not isinstance(node, FlatTree):
+      raise TypeError(f"flat.mask: found a {type(node).__name__} leaf outside any FlatTree; "
+                      "mask takes FlatTrees (or pytrees of them), whose buffers have groups.")
+    return _unflatten(node.layout,
+                                   [bool(predicate(s.group)) for s in node.layout.buffers])
+
+  return jax.tree.map(node_mask, tree, is_leaf=is_flat)
+
+
+def pad(tree: FlatTree, multiple: int, *, min_size: int = 0) -> FlatTree:
+  """Pads every buffer of at least `min_size` elements with zeros to a multiple of `multiple`.
+
+  The padding is never unraveled, gets zero gradients, and stays zero under elementwise
+  optimizers (its updates are zero): numerics are unchanged. `jg.fsdp.shard` pads to the
+  mesh axis size so that every large buffer can be sharded evenly.
+  """
+  if not isinstance(tree, FlatTree):
+    raise TypeError(f"flat.pad takes a FlatTree, got {type(tree).__name__}.")
+  if multiple < 1:
+    raise ValueError(f"flat.pad: multiple must be >= 1, got {multiple}.")
+  specs = tuple(
+      spec._replace(length=-(-spec.size // multiple) * multiple) if spec.size >= min_size
+      else spec for spec in tree.layout.buffers)
+  buffers = [b if spec.length == b.shape[0] else jnp.pad(b, (0, spec.length - b.shape[0]))
+             for b, spec in zip(tree.buffers, specs)]
+  return FlatTree(buffers, dataclasses.replace(tree.layout, buffers=specs))
+
+
+def with_unravel_sharding(tree: FlatTree, sharding: Sharding | None) -> FlatTree:
+  """The same buffers with a layout that constrains them to `sharding` before unravelling.
+
+  With a replicated `NamedSharding` and buffers sharded along a mesh axis, unravelling
+  inside a layer's executable all-gathers each buffer once (not each leaf); `jg.fsdp.shard`
+  sets it.
+  """
+  if not isinstance(tree, FlatTree):
+    raise TypeError(f"flat.with_unravel_sharding takes a FlatTree, got {type(tree).__name__}.")
+  return _unflatten(dataclasses.replace(tree.layout, unravel_sharding=sharding), tree.buffers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Expansion:
+  """How the argument leaves of a signature map to the leaves the layer function sees.
+
+  Every FlatTree among the arguments is replaced by its tree: each of its leaves is a slice
+  of one argument leaf (a buffer); every other argument leaf is itself. Built by
+  `expansion` for `jaxgraph.capture`: the forward differentiates with respect to the
+  expanded leaves, the backward recomputes the slices it needs from the buffers and
+  concatenates the slices' gradients into one gradient per buffer.
+
+  Attributes:
+    treedef: the structure of the arguments with every FlatTree unraveled.
+    inputs: per expanded leaf, the argument leaf it comes from.
+    slots: per expanded leaf, its slot in that buffer (None: the argument leaf itself).
+    layouts: per argument leaf, the layout of its FlatTree (None: not a buffer).
+  """
+
+  treedef: Any
+  inputs: tuple[int, ...]
+  slots: tuple[Slot | None, ...]
+  layouts: tuple[FlatLayout | None, ...]
+
+  @functools.cached_property
+  def _members(self) -> dict[int, list[int]]:
+    """Per argument leaf, its expanded leaves in buffer order."""
+    members: dict[int, list[int]] = {}
+    for j, i in enumerate(self.inputs):
+      members.setdefault(i, []).append(j)
+    return members
+
+  def expand(self, leaves: Sequence[Any]) -> list[Any]:
+    """The expanded leaves of the argument leaves `leaves` (slices of the buffers)."""
+    expanded = self.slices(dict(enumerate(leaves)), range(len(self.inputs)))
+    return [expanded[j] for j in range(len(self.inputs))]
+
+  def slices(self, leaves: Mapping[int, Any], wanted: Sequence[int]) -> dict[int, Any]:
+    """The expanded leaves `wanted`, from the argument leaves they come from (each buffer
+    constrained to its layout's unravel sharding once)."""
+    constrained: dict[int, Any] = {}
+    out = {}
+    for j in wanted:
+      i, slot = self.inputs[j], self.slots[j]
+      if slot is None:
+        out[j] = leaves[i]
+        continue
+      if i not in constrained:
+        sharding = self.layouts[i].unravel_sharding
+        constrained[i] = (leaves[i] if sharding is None
+                          else jax.lax.with_sharding_constraint(leaves[i], sharding))
+      out[j] = _slice(constrained[i], slot)
+    return out
+
+  def gradients(self, grads: Mapping[int, Any], select: Sequence[int]) -> list[Any]:
+    """One gradient per argument leaf in `select`, from the gradients of expanded leaves:
+    a buffer's is its slices' gradients concatenated (zeros for padding)."""
+    out = []
+    for i in select:
+      layout, parts = self.layouts[i], self._members[i]
+      if layout is None:
+        out.append(grads[parts[0]])
+        continue
+      flat = [grads[j].reshape(-1) for j in parts]
+      if layout.unravel_sharding is not None:  # the transpose of the unravel's constraint
+        flat = [jax.lax.with_sharding_constraint(g, layout.unravel_sharding) for g in flat]
+      spec = layout.buffers[self.slots[parts[0]].buffer]
+      if spec.length > spec.size:
+        flat.append(jnp.zeros((spec.length - spec.size,), spec.dtype))
+      out.append(jnp.concatenate(flat))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def expansion(treedef: Any) -> Expansion:
+  """The `Expansion` of argument leaves of structure `treedef` (cached per structure)."""
+  args = jax.tree.unflatten(treedef, range(treedef.num_leaves))
+  inputs: list[int] = []
+  slots: list[Slot | None] = []
+  layouts: list[FlatLayout | None] = [None] * treedef.num_leaves
+  for node in jax.tree.leaves(args, is_leaf=is_flat):
+    if isinstance(node, FlatTree):
+      for i in node.buffers:
+        layouts[i] = node.layout
+      # in slot order: the flattening order of the unraveled tree
+      for slot in node.layout.slots:
+        inputs.append(node.buffers[slot.buffer])
+        slots.append(slot)
+    else:
+      inputs.append(node)
+      slots.append(None)
+  expanded = jax.tree.map(
+      lambda node: (jax.tree.unflatten(node.layout.treedef, [0] * len(node.layout.slots))
+                    if isinstance(node, FlatTree) else node), args, is_leaf=is_flat)
+  return Expansion(jax.tree.structure(expanded), tuple(inputs), tuple(slots), tuple(layouts))
