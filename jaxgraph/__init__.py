@@ -4,6 +4,9 @@ A port of the partial-capture semantics of Transformer Engine's and PyTorch's
 `make_graphed_callables`: see docs/index.md.
 """
 
+import importlib
+import types
+
 from jaxgraph import fsdp
 from jaxgraph import schedule
 from jaxgraph.api import make_graphed
@@ -12,15 +15,31 @@ from jaxgraph.hooks import HookEvent, Hooks, is_capturing
 
 __version__ = "0.1.0"
 
+# Imported on first use (`jaxgraph.flax.nnx_layer`): importing Flax more than doubles the
+# import time of jaxgraph, which users of plain JAX functions should not pay.
+_LAZY_SUBMODULES = ("flax",)
+
 __all__ = [
     "GraphedCallable",
     "HookEvent",
     "Hooks",
     "Pullback",
     "Stats",
+    "flax",
     "fsdp",
     "is_capturing",
     "make_graphed",
     "schedule",
     "sequential_vjp",
 ]
+
+
+def __getattr__(name: str) -> types.ModuleType:
+  """`jaxgraph.flax` without an import of its own: imports the submodule on first access."""
+  if name in _LAZY_SUBMODULES:
+    return importlib.import_module(f"jaxgraph.{name}")
+  raise AttributeError(f"module 'jaxgraph' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -45,8 +45,11 @@ class NnxLayer:
   Attributes:
     graphdef: the module's graph structure (`nnx.split`'s first result).
     stream_tags: the tags of its RNG streams (e.g. `("dropout",)`), reseeded from `key`.
-    rngs_argument: if set, `key` is instead passed to the module call as this keyword
-      (for modules that take call-time RNGs: `self.drop(h, rngs=rngs)`).
+    rngs_argument: if set, the module call instead gets `nnx.Rngs(key)` as this keyword
+      (for modules that take call-time RNGs: `self.drop(h, rngs=rngs)`). Every use of it
+      draws a fresh key (`fold_in(key, n)` for the n-th draw), so several dropout sites
+      fed the one `rngs` get independent masks; each stream name (`rngs.dropout`,
+      `rngs["attention"]`) falls back to that one default stream.
   """
 
   def __init__(self, name: str, graphdef: nnx.GraphDef, rng_state: nnx.State,
@@ -72,12 +75,15 @@ class NnxLayer:
     return nnx.merge(self.graphdef, params, _fresh(self._rng_state))
 
   def __call__(self, params: nnx.State, *inputs: Any, key: jax.Array | None = None) -> Any:
-    """Merges `params` into the module, reseeds its RNG streams from `key`, calls it."""
+    """Merges `params` into the module, reseeds its RNG streams from `key` (or passes
+    `nnx.Rngs(key)` as `rngs_argument`), calls it."""
     module = self.module(params)
     if key is None:
       return module(*inputs)
     if self.rngs_argument is not None:
-      return module(*inputs, **{self.rngs_argument: key})
+      # Not the raw key: nnx.Dropout uses a raw key as is, so every site given it would
+      # draw the same mask. An Rngs built here, inside the trace, yields a new key per use.
+      return module(*inputs, **{self.rngs_argument: nnx.Rngs(key)})
     if self.stream_tags:
       nnx.reseed(module, **{tag: key for tag in self.stream_tags})
     return module(*inputs)
@@ -95,7 +101,9 @@ def nnx_layer(module: nnx.Module, *, wrt: Any = nnx.Param,
     wrt: the filter selecting the params (the first argument of the function, the one
       that gets gradients): `nnx.Param` by default.
     rngs_argument: the keyword under which the module's `__call__` takes call-time RNGs
-      (e.g. "rngs" for `def __call__(self, x, *, rngs=None)`); the key is passed there.
+      (e.g. "rngs" for `def __call__(self, x, *, rngs=None)`); it receives
+      `nnx.Rngs(key)`, built from the threaded key inside the executable, so each dropout
+      site that draws from it gets its own mask (the backward replays the same ones).
 
   Returns:
     `(fn, params)`: `fn(params, *inputs, key=None)` (an `NnxLayer`) and the `nnx.State` of

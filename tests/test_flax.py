@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,7 @@ import jaxgraph.flax as jgf
 from models import trees_equal
 
 D, H, T, DEPTH, STEPS = 8, 16, 6, 3, 3
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class Block(nnx.Module):
@@ -168,7 +173,7 @@ def test_nnx_call_time_rngs_argument():
       self.lin = nnx.Linear(D, D, rngs=rngs)
       self.drop = nnx.Dropout(0.5)  # no stored stream
 
-    def __call__(self, x: jax.Array, *, rngs: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, rngs: nnx.Rngs | None = None) -> jax.Array:
       return self.drop(self.lin(x), rngs=rngs)
 
   block = CallTimeBlock(rngs=nnx.Rngs(0))
@@ -177,8 +182,57 @@ def test_nnx_call_time_rngs_argument():
   x, _ = _data()
   layer = jg.make_graphed(fn, sample_args=(params, x), rng=True, num_warmup_iters=0)
   key = jax.random.key(5)
-  assert np.array_equal(layer(params, x, key=key),
-                        nnx.jit(lambda block, x, key: block(x, rngs=key))(block, x, key))
+  assert np.array_equal(layer(params, x, key=key), nnx.jit(
+      lambda block, x, key: block(x, rngs=nnx.Rngs(key)))(block, x, key))
+
+
+class TwoSiteBlock(nnx.Module):
+  """Two dropout sites of one shape fed one input, as attention and MLP dropout of a block;
+  `rngs` given at call time (`stored=False`) or held as streams (`stored=True`)."""
+
+  def __init__(self, *, stored: bool, rngs: nnx.Rngs):
+    self.lin = nnx.Linear(D, D, rngs=rngs)
+    self.attn_drop = nnx.Dropout(0.5, rngs=rngs if stored else None)
+    self.mlp_drop = nnx.Dropout(0.5, rngs=rngs if stored else None)
+
+  def __call__(self, x: jax.Array, *,
+               rngs: nnx.Rngs | None = None) -> tuple[jax.Array, jax.Array]:
+    h = self.lin(x)
+    return self.attn_drop(h, rngs=rngs), self.mlp_drop(h, rngs=rngs)
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["rngs_argument", "stream_tags"])
+def test_nnx_dropout_sites_sharing_rngs_get_independent_masks(stored):
+  block = TwoSiteBlock(stored=stored, rngs=nnx.Rngs(params=0, dropout=1))
+  fn, params = jgf.nnx_layer(block, rngs_argument=None if stored else "rngs")
+  x, _ = _data()
+  layer = jg.make_graphed(fn, sample_args=(params, x), rng=True, num_warmup_iters=1)
+  reference_vjp = jax.jit(lambda p, x, k: jax.vjp(lambda p, x: fn(p, x, key=k), p, x))
+  reference_pullback = jax.jit(lambda vjp_fn, ct: vjp_fn(ct))
+  ref_params = params
+  for step in range(STEPS):
+    key = jax.random.key(10 + step)
+    (attn, mlp), pullback = layer.vjp(params, x, key=key)
+    assert not np.array_equal(attn == 0, mlp == 0), "the two sites drew the same mask"
+    ref_out, ref_vjp_fn = reference_vjp(ref_params, x, key)
+    ct = (jnp.ones_like(attn), 2 * jnp.ones_like(mlp))
+    grads = pullback(ct)
+    ref_grads = reference_pullback(ref_vjp_fn, ct)
+    assert trees_equal((attn, mlp), ref_out)
+    assert trees_equal(grads, ref_grads)  # the backward used the forward's masks
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads[0])
+    ref_params = jax.tree.map(lambda p, g: p - 0.1 * g, ref_params, ref_grads[0])
+
+
+def test_flax_is_an_attribute_after_import_jaxgraph():
+  # A fresh interpreter: in this one, `import jaxgraph.flax` above already set the attribute.
+  code = ("import sys, jaxgraph as jg\n"
+          "assert 'flax' not in sys.modules, 'Flax is imported on first use only'\n"
+          "assert jg.flax.nnx_layer is __import__('jaxgraph.flax').flax.nnx_layer\n"
+          "assert 'flax' in jg.__all__ and 'flax' in dir(jg)\n")
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
 
 
 def test_nnx_identical_blocks_give_equal_functions_and_eval_differs():
