@@ -113,14 +113,22 @@ def _ones_like(tree: Any) -> Any:
   return jax.tree.map(lambda leaf: jnp.ones_like(leaf), tree)
 
 
+def _steps(plan: schedule_lib.Plan, sizes: Sequence[int], *, inference_only: bool
+           ) -> list[tuple[str, int, int]]:
+  """`(kind, layer, microbatch)` of `plan`; its forwards only for inference-only layers."""
+  return [step for step in schedule_lib.layer_steps(plan, sizes)
+          if not inference_only or step[0] == "forward"]
+
+
 def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
                  samples: Sequence[Sequence[tuple[Any, ...]]], plan: schedule_lib.Plan,
-                 sizes: Sequence[int]) -> None:
+                 sizes: Sequence[int], *, inference_only: bool) -> None:
   """Capture phase, in the order of `plan` (without `order`: every forward in order, every
-  backward in reverse), hooks around each; `samples[i][m]` are the args of layer i at
-  microbatch m. Wgrad entries fire no hooks (Transformer Engine's rule)."""
+  backward in reverse; `inference_only`: the forwards only), hooks around each;
+  `samples[i][m]` are the args of layer i at microbatch m. Wgrad entries fire no hooks
+  (Transformer Engine's rule)."""
   outputs = {}
-  for kind, i, m in schedule_lib.layer_steps(plan, sizes):
+  for kind, i, m in _steps(plan, sizes, inference_only=inference_only):
     layer, args = layers[i], samples[i][m]
     if kind == "forward":
       leaves, treedef = jax.tree.flatten(args)
@@ -151,10 +159,11 @@ def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
 
 def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
             samples: Sequence[Sequence[tuple[Any, ...]]], plan: schedule_lib.Plan,
-            sizes: Sequence[int], iterations: int, *, rng: bool, delay_wgrad: bool) -> None:
+            sizes: Sequence[int], iterations: int, *, rng: bool, delay_wgrad: bool,
+            inference_only: bool) -> None:
   """Warmup phase: replays the order of `plan` exactly (without `order`: all forwards, then
-  all backwards in reverse); a wgrad without its own order entry runs right after its
-  backward. Results are discarded."""
+  all backwards in reverse; `inference_only`: the outputs-only forwards alone); a wgrad
+  without its own order entry runs right after its backward. Results are discarded."""
   materialized: dict[int, Any] = {}  # one-per-layer sample_args repeat across microbatches
   data = [[materialized.setdefault(id(args), jax.tree.map(_materialize, args)) for args in row]
           for row in samples]
@@ -163,13 +172,13 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
   for iteration in range(iterations):
     stream = (base, jnp.uint32(iteration)) if rng else None
     pending = {}
-    for kind, i, m in schedule_lib.layer_steps(plan, sizes):
+    for kind, i, m in _steps(plan, sizes, inference_only=inference_only):
       layer, args = layers[i], data[i][m]
       if kind == "forward":
         leaves, treedef = jax.tree.flatten(args)
         pending[i, m] = layer._forward(args, leaves, treedef, None, phase="warmup",
-                                       iteration=iteration, microbatch=m, with_pullback=True,
-                                       stream=stream)
+                                       iteration=iteration, microbatch=m,
+                                       with_pullback=not inference_only, stream=stream)
         results.append(pending[i, m][0])
       elif kind == "backward":
         out, pullback = pending[i, m] if plan.has_wgrad else pending.pop((i, m))
@@ -179,6 +188,22 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
       else:
         results.append(pending.pop((i, m))[1].wgrad())
   jax.block_until_ready(results)
+
+
+def _check_inference_only(inference_only: bool, *, delay_wgrad: bool,
+                          order: Sequence[float] | None, offload: bool) -> None:
+  if not isinstance(inference_only, bool):
+    raise TypeError(f"inference_only must be a bool, got {inference_only!r}.")
+  if not inference_only:
+    return
+  conflicts = [name for name, given in (("delay_wgrad", delay_wgrad),
+                                        ("offload_residuals", offload),
+                                        ("order", order is not None)) if given]
+  if conflicts:
+    raise ValueError(
+        f"make_graphed got inference_only=True together with {' and '.join(conflicts)}, "
+        "which only concern a backward (an inference-only callable has none). Drop "
+        f"{' and '.join(conflicts)}, or drop inference_only to train.")
 
 
 def make_graphed(
@@ -198,12 +223,14 @@ def make_graphed(
     offload_residuals: bool | Sequence[bool] = False,
     max_captures: int = 8,
     on_new_signature: graphed_lib.OnNewSignature = "capture",
+    inference_only: bool = False,
 ) -> graphed_lib.GraphedCallable | tuple[graphed_lib.GraphedCallable, ...]:
   """Captures per-layer functions into ahead-of-time compiled forward/backward executables.
 
   Each distinct (function, input signature) is traced once and compiled into a forward and a
   backward executable (dgrad + wgrad with `delay_wgrad`); identical callables share them.
-  Then every callable is warmed up `num_warmup_iters` times. Hooks run on the host.
+  Then every callable is warmed up `num_warmup_iters` times. Hooks run on the host. With
+  `inference_only=True` (a decode step), only the forward a plain call replays is compiled.
 
   Args:
     fns: a callable, or a sequence of callables (one per layer). Each is a pure function of
@@ -238,9 +265,21 @@ def make_graphed(
       run through `jax.jit` (one warning).
     on_new_signature: "capture" (up to `max_captures`) or "error" (raise on any signature
       that was not captured from `sample_args`).
+    inference_only: capture for `g(*args)` only. Each signature is traced as the function
+      is (not through `jax.vjp`) and compiles exactly one executable, at capture: the
+      outputs-only forward (with `rng`, the stream forward, which still advances the key
+      stream; one taking `key=` compiles on its first such call). No residuals, no backward:
+      `g.vjp` and `sequential_vjp` raise. Warmup runs the forwards only, so `pre_forward`
+      and `forward` hooks fire there and at capture, backward hooks never. Signatures
+      captured later (`max_captures`) are forward-only too. Not combinable with
+      `delay_wgrad`, `offload_residuals` or `order`, which concern the backward.
 
   Returns:
     One `GraphedCallable` for a single callable, else a tuple of them.
+
+  Raises:
+    ValueError: for `inference_only=True` with `delay_wgrad`, `offload_residuals` or
+      `order`, and for other invalid arguments (each error names the argument).
   """
   fn_list, single = _as_callables(fns)
   count = len(fn_list)
@@ -288,6 +327,8 @@ def make_graphed(
     except TypeError as e:
       raise TypeError(f"sample_args[{i}]: {e}") from None
   offload = _per_callable_flags(offload_residuals, count, "offload_residuals")
+  _check_inference_only(inference_only, delay_wgrad=delay_wgrad, order=order,
+                        offload=any(offload))
   if any(offload):
     offload_lib.check_backend_supports_offload()
   replay_hooks = hooks_lib.per_callable(hooks, count, "hooks")
@@ -295,7 +336,8 @@ def make_graphed(
 
   config = graphed_lib.Config(rng=seed is not None, delay_wgrad=delay_wgrad,
                               wgrad_argnums=wgrad_argnums, max_captures=max_captures,
-                              on_new_signature=on_new_signature)
+                              on_new_signature=on_new_signature,
+                              inference_only=inference_only)
   layers = [graphed_lib.GraphedCallable(fn, i, config, hooks=replay_hooks[i],
                                         capture_time_hooks=capture_hooks[i], offload=offload[i])
             for i, fn in enumerate(fn_list)]
@@ -303,11 +345,11 @@ def make_graphed(
     for layer in layers:
       layer.seed(seed)
   with hooks_lib.capturing():
-    _capture_all(layers, per_microbatch, plan, sizes)
+    _capture_all(layers, per_microbatch, plan, sizes, inference_only=inference_only)
     if pre_warmup_hook is not None:
       pre_warmup_hook()
     _warmup(layers, per_microbatch, plan, sizes, num_warmup_iters, rng=config.rng,
-            delay_wgrad=delay_wgrad)
+            delay_wgrad=delay_wgrad, inference_only=inference_only)
     if post_warmup_hook is not None:
       post_warmup_hook()
   return layers[0] if single else tuple(layers)

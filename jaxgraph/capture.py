@@ -148,6 +148,26 @@ class _Timer:
     return compiled
 
 
+def _apply(fn: Callable[..., Any], args: tuple[Any, ...], keys: Sequence[Any]) -> Any:
+  """`fn(*args)`, with `key=` one key, or a tuple of them (a fused chain), when there are."""
+  if not keys:
+    return fn(*args)
+  return fn(*args, key=keys[0] if len(keys) == 1 else tuple(keys))
+
+
+def _trace_specs(signature: sig_lib.Signature, n_keys: int) -> list[jax.ShapeDtypeStruct]:
+  return [sig_lib.abstract(s) for s in signature.leaves] + [rng_lib.key_spec()] * n_keys
+
+
+def _output_specs(out_info: Sequence[Any], name: str) -> tuple[jax.ShapeDtypeStruct, ...]:
+  specs = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type)
+                for o in out_info)
+  for i, o in enumerate(specs):
+    if o.dtype == jax.dtypes.float0:
+      raise TypeError(f"{name} returned a float0 value at output leaf {i}.")
+  return specs
+
+
 def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
                   name: str) -> tuple[Any, Layout]:
   """Traces `fn` once through `jax.vjp`; returns the closed jaxpr and the residual layout.
@@ -166,10 +186,7 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
       leaves = list(arg_leaves)
       for i, leaf in zip(diff, diff_leaves):
         leaves[i] = leaf
-      args = jax.tree.unflatten(signature.treedef, leaves)
-      if not keys:
-        return fn(*args)
-      return fn(*args, key=keys[0] if n_keys == 1 else tuple(keys))
+      return _apply(fn, jax.tree.unflatten(signature.treedef, leaves), keys)
 
     out, vjp_fn = jax.vjp(primal, *[arg_leaves[i] for i in diff])
     out_leaves, out_treedef = jax.tree.flatten(out)
@@ -187,15 +204,10 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
                  n_kept=len(kept))
     return [*out_leaves, *kept]
 
-  in_specs = [sig_lib.abstract(s) for s in signature.leaves] + [rng_lib.key_spec()] * n_keys
-  traced = jax.jit(forward).trace(*in_specs)
+  traced = jax.jit(forward).trace(*_trace_specs(signature, n_keys))
   out_info = traced.out_info
   n_out = len(out_info) - found["n_kept"]
-  out_specs = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type)
-                    for o in out_info[:n_out])
-  for i, o in enumerate(out_specs):
-    if o.dtype == jax.dtypes.float0:
-      raise TypeError(f"{name} returned a float0 value at output leaf {i}.")
+  out_specs = _output_specs(out_info[:n_out], name)
   sources = found["sources"]
   # Packing needs one layout of every buffer: only for unsharded (single-device) arguments.
   packing = plan_packing(out_info[n_out:],
@@ -205,6 +217,30 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
       res_treedef=found["res_treedef"], sources=sources, packing=packing, diff=diff,
       needed_inputs=tuple(sorted({i for kind, i in sources if kind == "in"})),
       needed_outputs=tuple(sorted({i for kind, i in sources if kind == "out"})))
+  return traced.jaxpr, layout
+
+
+def trace_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
+                    name: str) -> tuple[Any, Layout]:
+  """Traces `fn` once as it is, not through `jax.vjp`: a forward that keeps nothing.
+
+  The jaxpr maps `(*arg_leaves, *keys)` to the output leaves. The layout has no residuals
+  and no differentiated leaves, so only outputs-only forwards are built from it; a function
+  `jax.vjp` cannot trace (a `lax.while_loop` of a decode step) traces here.
+  """
+  n_args = len(signature.leaves)
+  found: dict[str, Any] = {}
+
+  def forward(*flat):
+    args = jax.tree.unflatten(signature.treedef, list(flat[:n_args]))
+    out_leaves, found["out_treedef"] = jax.tree.flatten(_apply(fn, args, flat[n_args:]))
+    return out_leaves
+
+  traced = jax.jit(forward).trace(*_trace_specs(signature, n_keys))
+  layout = Layout(
+      n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"],
+      out_specs=_output_specs(traced.out_info, name), res_treedef=None, sources=(),
+      packing=plan_packing((), enabled=False), diff=(), needed_inputs=(), needed_outputs=())
   return traced.jaxpr, layout
 
 
@@ -284,13 +320,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
   start = time.perf_counter()
   closed, layout = trace_forward(fn, signature, n_keys=n_keys, name=name)
   trace_seconds = time.perf_counter() - start
-  frozen = rng_lib.constant_keys(closed)
-  if frozen:
-    warnings.warn(
-        f"{name}: the traced function contains {frozen[0]}. A key that is a constant of the "
-        "executable gives the same random numbers (the same dropout mask) on every replay. "
-        "Take the key as an argument: make_graphed(..., rng=True) and fn(..., key=key).",
-        stacklevel=4)
+  _warn_constant_keys(closed, name)
   first: ForwardKind = "stream" if n_keys else "explicit"
   fwd = _forward_fn(closed, layout, first, outputs_only=False, offload=offload)
   forward = {(first, True): timer.compile(
@@ -319,6 +349,38 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
   return Executables(signature=signature, layout=layout, forward=forward,
                      backward=compiled_backward, closed_jaxpr=closed, offload=offload,
                      compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds)
+
+
+def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
+                      name: str) -> Executables:
+  """Traces `fn` once, forward only, and compiles the one executable a plain call replays.
+
+  That is the outputs-only forward: the stream forward with keys (`n_keys > 0`; it still
+  returns the next counters), else the plain one. No residuals, no backward; the
+  explicit-key forward compiles on first use (`forward_executable(..., residuals=False)`).
+  """
+  timer = _Timer()
+  start = time.perf_counter()
+  closed, layout = trace_inference(fn, signature, n_keys=n_keys, name=name)
+  trace_seconds = time.perf_counter() - start
+  _warn_constant_keys(closed, name)
+  first: ForwardKind = "stream" if n_keys else "explicit"
+  fwd = _forward_fn(closed, layout, first, outputs_only=True, offload=False)
+  forward = {(first, False): timer.compile(
+      jax.jit(fwd).trace(*_forward_specs(signature, layout, first)))}
+  return Executables(signature=signature, layout=layout, forward=forward, backward={},
+                     closed_jaxpr=closed, offload=False, compiles=timer.compiles,
+                     compile_seconds=timer.seconds + trace_seconds)
+
+
+def _warn_constant_keys(closed: Any, name: str) -> None:
+  frozen = rng_lib.constant_keys(closed)
+  if frozen:
+    warnings.warn(
+        f"{name}: the traced function contains {frozen[0]}. A key that is a constant of the "
+        "executable gives the same random numbers (the same dropout mask) on every replay. "
+        "Take the key as an argument: make_graphed(..., rng=True) and fn(..., key=key).",
+        stacklevel=5)
 
 
 def forward_executable(entry: Executables, kind: ForwardKind, *,

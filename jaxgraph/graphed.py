@@ -52,6 +52,7 @@ class Config:
   wgrad_argnums: tuple[int, ...]
   max_captures: int
   on_new_signature: OnNewSignature
+  inference_only: bool = False  # forward-only capture: no residuals, no backward
   # (function, signature, offload) -> executables, shared by identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
   # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
@@ -268,7 +269,13 @@ class GraphedCallable:
 
   def vjp(self, *args: Any, key: jax.Array | None = None,
           **kwargs: Any) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
-    """Replays the forward; returns `(outputs, pullback)` like `jax.vjp`."""
+    """Replays the forward; returns `(outputs, pullback)` like `jax.vjp`.
+
+    Raises:
+      TypeError: for a callable built with `make_graphed(..., inference_only=True)`, which
+        has no backward.
+    """
+    self._require_backward("vjp")
     leaves, treedef = self._flatten(args, key, kwargs)
     if leaves is None:
       return self._vjp_traced(args, key)
@@ -281,6 +288,13 @@ class GraphedCallable:
   def _require_rng(self) -> None:
     if not self._config.rng:
       raise ValueError(f"{self.name} was built with rng=False; it has no key stream.")
+
+  def _require_backward(self, caller: str) -> None:
+    if self._config.inference_only:
+      raise TypeError(
+          f"{caller}: {self.name} was built with make_graphed(..., inference_only=True), so "
+          "it has no backward executable and keeps no residuals. Call it for the outputs "
+          "only (y = layer(*args)), or build it without inference_only=True to train it.")
 
   def _exclusive(self) -> Any:
     if not self._busy.acquire(blocking=False):
@@ -360,9 +374,14 @@ class GraphedCallable:
       entry = config.cache.get(cache_key)
       if entry is None:
         try:
-          entry = capture_lib.capture(
-              self.fn, signature, n_keys=self._n_keys, backward=_backward_plan(config, signature),
-              offload=self._offload, name=self.name)
+          if config.inference_only:
+            entry = capture_lib.capture_inference(self.fn, signature, n_keys=self._n_keys,
+                                                  name=self.name)
+          else:
+            entry = capture_lib.capture(
+                self.fn, signature, n_keys=self._n_keys,
+                backward=_backward_plan(config, signature), offload=self._offload,
+                name=self.name)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")
@@ -594,6 +613,7 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     if not isinstance(layer, GraphedCallable):
       raise TypeError(f"sequential_vjp: layers[{i}] is a {type(layer).__name__}, not a "
                       "GraphedCallable; build the stack with jaxgraph.make_graphed.")
+    layer._require_backward(f"sequential_vjp (layers[{i}])")
   runs = (fusion_lib.plan(layers) if fuse
           else [(i, i + 1) for i in range(len(layers))])
   steps = []

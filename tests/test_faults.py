@@ -157,6 +157,26 @@ def test_fault_compiling_the_inference_forward(monkeypatch, exc):
   assert g.stats.compiles == before[0].compiles + 1
 
 
+@pytest.mark.parametrize("exc", FAULTS, ids=lambda e: e.__name__)
+def test_fault_in_an_inference_only_capture_leaves_no_half_built_entry(monkeypatch, exc):
+  g = jg.make_graphed(layer, sample_args=(P, X), num_warmup_iters=0, inference_only=True)
+  real = jax.stages.Lowered.compile
+  trigger = Trigger(exc)
+
+  def flaky(self, *args, **kwargs):
+    trigger("inference-only compile")
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", flaky)
+  x3 = jnp.ones((3, 4))
+  before = snapshot(g)
+  with pytest.raises(_caught(exc)):
+    g(P, x3)
+  assert snapshot(g) == before
+  assert bitwise(g(P, x3), jax.jit(layer)(P, x3))  # the retry captures it cleanly
+  assert g.stats.captures == 2 and g.stats.compiles == 2
+
+
 # -------------------------------------------------------------------------------- hooks
 
 def _hooks_raising(kind: str, phase: str, trigger: Trigger, seen: list) -> jg.Hooks:

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import jaxgraph as jg
-from models import (attention, counting, init_attention, init_mlp, mlp, reference_stack,
-                    trees_equal)
+from jaxgraph import rng as rng_lib
+from models import (attention, counting, dropout_mlp, init_attention, init_mlp, mlp,
+                    reference_stack, trees_equal)
 
 D, H, T = 16, 32, 8
 
@@ -249,3 +250,85 @@ def test_equivalent_partition_specs_are_one_signature():
   y = g(params, jax.device_put(jnp.ones((T, D)), short))
   assert trees_equal(y, g(params, jax.device_put(jnp.ones((T, D)), long)))
   assert g.stats.captures == 1
+
+
+def test_inference_only_compiles_one_forward_at_capture_and_never_again():
+  layer, traces = counting(mlp)
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(layer, sample_args=(params, x), inference_only=True)
+  assert (traces(), g.stats.compiles) == (1, 1)  # warmup replayed the one executable
+  (entry,) = g._entries.values()
+  assert set(entry.forward) == {("explicit", False)} and entry.backward == {}
+  for step in range(20):
+    x = jax.random.normal(jax.random.key(step), (T, D))
+    assert trees_equal(g(params, x), jax.jit(mlp)(params, x))
+  assert (traces(), g.stats.compiles, g.stats.replays) == (1, 1, 20)
+  longer = jnp.ones((2 * T, D))  # a longer prompt: a new signature, forward-only as well
+  assert trees_equal(g(params, longer), jax.jit(mlp)(params, longer))
+  assert (g.stats.captures, g.stats.compiles) == (2, 2)
+  assert all(e.backward == {} for e in g._entries.values())
+
+
+def test_inference_only_rng_stream_and_explicit_key():
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(dropout_mlp, sample_args=(params, x), rng=jax.random.key(7),
+                      inference_only=True)
+  assert g.stats.compiles == 1 and g.rng_counter == 0  # the stream forward; warmup drew none
+  reference = jax.jit(dropout_mlp)
+  for n in range(2):
+    key = rng_lib.stream_key(0, n, g.rng_base_key)
+    assert trees_equal(g(params, x), reference(params, x, key=key))
+  assert g.rng_counter == 2 and g.stats.compiles == 1
+  key = jax.random.key(3)  # an explicit key: its forward compiles on its first use only
+  for _ in range(2):
+    assert trees_equal(g(params, x, key=key), reference(params, x, key=key))
+  assert g.stats.compiles == 2 and g.rng_counter == 2
+
+
+def test_inference_only_warmup_fires_forward_hooks_only():
+  fired = []
+  record = lambda kind: (lambda event: fired.append((kind, event.phase)))
+  hooks = jg.Hooks(**{kind: [record(kind)] for kind in
+                      ("pre_forward", "forward", "pre_backward", "backward")})
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(mlp, hooks, sample_args=(params, x), num_warmup_iters=2,
+                      inference_only=True)
+  g(params, x)
+  assert fired == [(kind, phase) for phase in ("capture", "warmup", "warmup", "replay")
+                   for kind in ("pre_forward", "forward")]
+
+
+def test_inference_only_captures_what_jax_vjp_cannot_differentiate():
+  def decode(p, x):  # a dynamic-length loop: no reverse mode, so no training capture
+    steps = jnp.sum(x > 0)
+    return jax.lax.while_loop(lambda c: c[1] < steps, lambda c: (mlp(p, c[0]), c[1] + 1),
+                              (x, 0))[0]
+
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jax.random.normal(jax.random.key(1), (T, D))
+  with pytest.raises(ValueError, match="Reverse-mode differentiation"):
+    jg.make_graphed(decode, sample_args=(params, x))
+  g = jg.make_graphed(decode, sample_args=(params, x), inference_only=True)
+  assert trees_equal(g(params, x), jax.jit(decode)(params, x))
+
+
+def test_inference_only_refuses_backward_uses():
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0, inference_only=True)
+  with pytest.raises(TypeError, match=r"vjp: mlp\[0\] was built with .*inference_only=True.*"
+                                      r"without inference_only"):
+    g.vjp(params, x)
+  with pytest.raises(TypeError, match=r"sequential_vjp \(layers\[0\]\).*inference_only"):
+    jg.sequential_vjp([g], [params], x)
+  for conflict in (dict(delay_wgrad=True), dict(offload_residuals=[True]),
+                   dict(order=[1, -1])):
+    name = next(iter(conflict))
+    with pytest.raises(ValueError, match=f"inference_only=True together with {name}.*Drop "
+                                         f"{name}"):
+      jg.make_graphed([mlp], sample_args=[(params, x)], inference_only=True, **conflict)
+  with pytest.raises(TypeError, match="inference_only must be a bool"):
+    jg.make_graphed(mlp, sample_args=(params, x), inference_only="yes")
