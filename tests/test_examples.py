@@ -1,4 +1,5 @@
-"""The examples run: train_gpt (tiny preset) trains, checkpoints, resumes bitwise; linen_mlp."""
+"""The examples run: train_gpt and llama/train (tiny presets) train, checkpoint, resume
+bitwise and match a whole-step jax.jit; the Llama decode loop does not compile; linen_mlp."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import sys
 
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-  """One persistent compilation cache for the runs: the later ones skip XLA compiles."""
+  """One persistent compilation cache for the runs: the later ones skip XLA compiles. The
+  scripts import this checkout's jaxgraph, whatever else is installed."""
   cache = tmp_path_factory.mktemp("jax-cache")
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+  path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+  return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu",
+          "JAX_COMPILATION_CACHE_DIR": str(cache),
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
@@ -53,6 +58,46 @@ def test_train_gpt_trains_checkpoints_and_resumes_bitwise(tmp_path, env):
   resumed = json.loads((parts / "metrics.json").read_text())
   assert resumed["losses"] == losses  # floats written from float32: equal means bitwise
   assert resumed["params_sha256"] == metrics["params_sha256"]
+
+
+def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, env):
+  # Without excess precision XLA rounds every bf16 value where the program says, also inside
+  # one whole-step executable: then the first step is bitwise that of the whole-step jit.
+  env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false"}
+  common = ["--preset", "tiny", "--steps", "12", "--generate", "8"]
+  whole, parts = tmp_path / "whole", tmp_path / "parts"
+  out = _run("llama/train.py", env, *common, "--out", str(whole), "--check")
+  assert "train Block[2]     captures 0  cache hits 1" in out  # blocks share one capture
+  metrics = json.loads((whole / "metrics.json").read_text())
+  losses, eval_losses = metrics["losses"], metrics["eval_losses"]
+  assert len(losses) == 12 and losses[-1] < losses[0]
+  assert [step for step, _ in eval_losses] == [6, 12] and eval_losses[1][1] < eval_losses[0][1]
+  assert (whole / "loss.png").read_bytes().startswith(b"\x89PNG")
+  check = metrics["check"]
+  assert check["first_step_loss_diff"] == 0 and check["first_step_max_grad_diff"] == 0
+  # Later steps may differ by rounding: the whole step fuses the optimizer update.
+  assert check["max_loss_diff"] < 1e-4
+  decode = metrics["generation"]["decode_stats"]
+  assert decode["Block[1]"]["compiles"] == 1 and decode["Block[1]"]["replays"] == 8
+  assert decode["Block[2]"]["compiles"] == 0 and decode["Block[2]"]["cache_hits"] == 1
+  assert len(metrics["generation"]["continuation"]) == 8
+
+  _run("llama/train.py", env, *common, "--out", str(parts), "--stop-after", "5")
+  out = _run("llama/train.py", env, *common, "--out", str(parts), "--resume")
+  assert "resumed from step 5" in out
+  resumed = json.loads((parts / "metrics.json").read_text())
+  assert resumed["losses"] == losses and resumed["eval_losses"] == eval_losses
+  assert resumed["params_sha256"] == metrics["params_sha256"]
+
+
+def test_llama_plain_ends_untied_without_dropout(tmp_path, env):
+  out = _run("llama/train.py", env, "--preset", "tiny", "--steps", "4", "--generate", "4",
+             "--plain-ends", "--untied", "--dropout", "0", "--microbatches", "1",
+             "--out", str(tmp_path))
+  assert "embedding and head run under plain jax.jit" in out
+  metrics = json.loads((tmp_path / "metrics.json").read_text())
+  assert metrics["losses"][-1] < metrics["losses"][0]
+  assert set(metrics["generation"]["decode_stats"]) == {"Block[0]", "Block[1]"}
 
 
 def test_linen_mlp_trains(capsys, monkeypatch):
