@@ -73,7 +73,7 @@ PRESETS = {
                    microbatches=2, steps=12, learning_rate=3e-3, dropout=0.1, eval_every=6,
                    eval_batches=2, checkpoint_every=10),
     "cpu": Preset(context=64, width=128, depth=4, heads=4, kv_heads=2, hidden=352, batch=16,
-                  microbatches=2, steps=300, learning_rate=3e-3, dropout=0.1, eval_every=50,
+                  microbatches=2, steps=250, learning_rate=3e-3, dropout=0.1, eval_every=50,
                   eval_batches=4, checkpoint_every=100),
     "gpu": Preset(context=512, width=768, depth=12, heads=12, kv_heads=4, hidden=2048,
                   batch=16, microbatches=2, steps=600, learning_rate=6e-4, dropout=0.1,
