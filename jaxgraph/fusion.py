@@ -21,9 +21,12 @@ from jaxgraph import signature as sig_lib
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
-  """`chain(params, x, *, key=None)`: `x = fns[i](params[i], x[, key=key[i]])` in turn.
+  """`chain(params, x, *consts, key=None)`: `x = fns[i](params[i], x, *consts[, key=key[i]])`
+  in turn.
 
-  Equal (and hashed) by its functions, so identical segments share one capture.
+  The consts (`sequential_vjp(..., consts=...)`) are shared by every function and get no
+  gradient: the chain stops it, so its backward does not compute it. Equal (and hashed) by
+  its functions, so identical segments share one capture.
   """
 
   fns: tuple[Callable[..., Any], ...]
@@ -32,9 +35,11 @@ class Chain:
   def __name__(self) -> str:
     return "chain"
 
-  def __call__(self, params: Sequence[Any], x: Any, *, key: Sequence[Any] | None = None) -> Any:
+  def __call__(self, params: Sequence[Any], x: Any, *consts: Any,
+               key: Sequence[Any] | None = None) -> Any:
+    consts = jax.lax.stop_gradient(consts)
     for i, (fn, p) in enumerate(zip(self.fns, params)):
-      x = fn(p, x) if key is None else fn(p, x, key=key[i])
+      x = fn(p, x, *consts) if key is None else fn(p, x, *consts, key=key[i])
     return x
 
 
@@ -111,11 +116,12 @@ class FusedSegment(graphed_lib.GraphedCallable):
     layers run one by one, each under its own max_captures and fallback."""
     return signature in self._entries or len(self._entries) < self._config.max_captures
 
-  def vjp_chain(self, params: Sequence[Any], x: Any, keys: Sequence[jax.Array] | None
-                ) -> tuple[Any, graphed_lib.Pullback] | None:
-    """The fused forward of `(params, x)`; None where it cannot run fused (tracers, or a
-    signature beyond max_captures): the caller then runs the layers one by one."""
-    args = (tuple(params), x)
+  def vjp_chain(self, params: Sequence[Any], x: Any, consts: tuple[Any, ...],
+                keys: Sequence[jax.Array] | None) -> tuple[Any, graphed_lib.Pullback] | None:
+    """The fused forward of `(params, x, *consts)`; None where it cannot run fused (tracers,
+    or a signature beyond max_captures): the caller then runs the layers one by one. The
+    pullback returns `(params grads, x grad, *zero grads of the consts)`."""
+    args = (tuple(params), x, *consts)
     leaves, treedef = jax.tree.flatten(args)
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
       return None

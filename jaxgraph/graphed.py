@@ -568,7 +568,7 @@ class SequentialPullback:
     for position in reversed(range(len(self._steps))):
       lo, hi, pullback = self._steps[position]
       try:
-        g_params, cotangent = pullback(cotangent)
+        g_params, cotangent = pullback(cotangent)[:2]  # consts' gradients are dropped
       except BaseException:
         if position < len(self._steps) - 1 or pullback._state != "ready":
           self._failed_at = lo
@@ -583,14 +583,20 @@ class SequentialPullback:
 
 
 def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any, *,
-                   keys: Sequence[jax.Array] | None = None,
+                   consts: tuple[Any, ...] = (), keys: Sequence[jax.Array] | None = None,
                    fuse: bool = False) -> tuple[Any, SequentialPullback]:
-  """Chains `x = layer(params, x)` through a stack; returns `(y, pullback)`.
+  """Chains `x = layer(params, x, *consts)` through a stack; returns `(y, pullback)`.
 
   Args:
-    layers: graphed callables taking `(params, x)` (and `key=` with `rng=True`).
+    layers: graphed callables taking `(params, x, *consts)` (and `key=` with `rng=True`),
+      each returning the structure of `x`.
     params_list: one params pytree per layer.
-    x: the input of the first layer.
+    x: the input of the first layer: the carry, any pytree (e.g. a tuple `(h, aux)` when
+      every layer returns one of that structure).
+    consts: the per-step inputs besides the activation (positions, an attention mask, a
+      cache), passed to every layer after `x`. They get no gradient: the pullback drops
+      theirs (a layer's backward still computes the gradient of a float const; a fused
+      chain stops it instead).
     keys: one key per layer, or None to draw from each layer's own stream.
     fuse: boundary fusion. Each maximal run of adjacent layers without replay-time hooks
       (from one `make_graphed` call, without `delay_wgrad`, with the same offload setting)
@@ -609,6 +615,10 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     raise ValueError(f"sequential_vjp got {len(layers)} layers but {len(params_list)} params.")
   if keys is not None and len(keys) != len(layers):
     raise ValueError(f"sequential_vjp got {len(layers)} layers but {len(keys)} keys.")
+  if not isinstance(consts, tuple):
+    raise TypeError(f"sequential_vjp takes consts= a tuple of the extra positional arguments "
+                    f"of every layer, e.g. consts=(positions, mask), got "
+                    f"{type(consts).__name__}; for one argument write consts=(mask,).")
   for i, layer in enumerate(layers):
     if not isinstance(layer, GraphedCallable):
       raise TypeError(f"sequential_vjp: layers[{i}] is a {type(layer).__name__}, not a "
@@ -621,15 +631,16 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     fused = None
     if hi - lo > 1:
       segment = fusion_lib.segment(layers[lo:hi])
-      fused = segment.vjp_chain(params_list[lo:hi], x, None if keys is None else keys[lo:hi])
+      fused = segment.vjp_chain(params_list[lo:hi], x, consts,
+                                None if keys is None else keys[lo:hi])
     if fused is not None:
       x, pullback = fused
       steps.append((lo, hi, pullback))
       continue
     for i in range(lo, hi):  # one by one: unfused, or a fused run that cannot replay fused
       if keys is None:
-        x, pullback = layers[i].vjp(params_list[i], x)
+        x, pullback = layers[i].vjp(params_list[i], x, *consts)
       else:
-        x, pullback = layers[i].vjp(params_list[i], x, key=keys[i])
+        x, pullback = layers[i].vjp(params_list[i], x, *consts, key=keys[i])
       steps.append((i, i + 1, pullback))
   return x, SequentialPullback(steps)

@@ -42,6 +42,27 @@ def dropout_mlp(p: dict[str, jax.Array], x: jax.Array, *, key: jax.Array) -> jax
   return x + jnp.where(keep, h / 0.8, 0).astype(h.dtype) @ p["w2"]
 
 
+def masked_block(p: dict[str, jax.Array], x: jax.Array, positions: jax.Array, mask: jax.Array,
+                 *, key: jax.Array) -> jax.Array:
+  """A block with per-step inputs besides `x`: int32 `positions` (T,) and an additive float
+  attention `mask` (T, T); then `dropout_mlp`."""
+  x = x + jnp.cos(0.1 * positions.astype(x.dtype))[:, None]
+  logits = (x @ x.T) / x.shape[-1] + mask
+  return dropout_mlp(p, x + jax.nn.softmax(logits, axis=-1) @ x, key=key)
+
+
+def carry_block(p: dict[str, jax.Array], carry: tuple[jax.Array, jax.Array],
+                positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A block whose activation is a tuple `(h, aux)`: `aux` accumulates a per-layer loss."""
+  h, aux = carry
+  h = mlp(p, h + jnp.sin(positions.astype(h.dtype))[:, None])
+  return h, aux + jnp.mean(h ** 2)
+
+
+def causal_mask(t: int) -> jax.Array:
+  return jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0.0, -1e9).astype(jnp.float32)
+
+
 def init_mlp(key: jax.Array, d: int, h: int, dtype: Any = jnp.float32) -> dict[str, jax.Array]:
   k1, k2 = jax.random.split(key)
   return dict(w1=(jax.random.normal(k1, (d, h)) / d ** 0.5).astype(dtype),
@@ -55,15 +76,17 @@ def init_attention(key: jax.Array, d: int, dtype: Any = jnp.float32) -> dict[str
           for name, k in zip(("wq", "wk", "wv", "wo"), ks)}
 
 
-def reference_stack(fns: Sequence[Callable[..., Any]], params: Sequence[Any], x: jax.Array,
-                    ct: jax.Array, keys: Sequence[jax.Array] | None = None):
-  """Forward and backward through `jax.vjp` under plain `jax.jit`, one layer at a time."""
-  fwd = jax.jit(lambda f, p, x, k: jax.vjp(lambda p, x: f(p, x, key=k) if k is not None
-                                           else f(p, x), p, x), static_argnums=0)
+def reference_stack(fns: Sequence[Callable[..., Any]], params: Sequence[Any], x: Any,
+                    ct: Any, keys: Sequence[jax.Array] | None = None,
+                    consts: tuple[Any, ...] = ()):
+  """Forward and backward through `jax.vjp` under plain `jax.jit`, one layer at a time;
+  `f(p, x, *consts[, key=k])`, the consts arguments of the jitted forward (not constants)."""
+  fwd = jax.jit(lambda f, p, x, c, k: jax.vjp(lambda p, x: f(p, x, *c, key=k) if k is not None
+                                              else f(p, x, *c), p, x), static_argnums=0)
   bwd = jax.jit(lambda v, g: v(g))
   pullbacks = []
   for i, (f, p) in enumerate(zip(fns, params)):
-    x, v = fwd(f, p, x, None if keys is None else keys[i])
+    x, v = fwd(f, p, x, consts, None if keys is None else keys[i])
     pullbacks.append(v)
   y, grads = x, [None] * len(fns)
   for i in reversed(range(len(fns))):

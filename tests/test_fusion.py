@@ -10,7 +10,8 @@ import pytest
 import jaxgraph as jg
 from jaxgraph import fusion
 from jaxgraph import rng as rng_lib
-from models import counting, dropout_mlp, init_mlp, mlp, reference_stack, trees_equal
+from models import (carry_block, causal_mask, counting, dropout_mlp, init_mlp, masked_block, mlp,
+                    reference_stack, trees_equal)
 
 D, H, T = 16, 32, 8
 
@@ -206,3 +207,45 @@ def test_a_busy_member_layer_blocks_its_fused_run():
   y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)  # free again
   grads, _ = pullback(jnp.ones_like(y))
   assert len(grads) == 2
+
+
+def test_fused_consts_train_like_jit_vjp_of_the_chain_bitwise():
+  depth = 4
+  block, traces = counting(masked_block)
+  params, x = _params(depth), _x()
+  consts = (jnp.arange(T, dtype=jnp.int32), causal_mask(T))  # positions, an additive mask
+  layers = jg.make_graphed([block] * depth, sample_args=[(p, x, *consts) for p in params],
+                           rng=jax.random.key(7), num_warmup_iters=1)
+  compiles = sum(layer.stats.compiles for layer in layers)
+  chain = fusion.Chain((masked_block,) * depth)
+  ref_params = params
+  for step in range(3):
+    keys = tuple(rng_lib.stream_key(i, step, layer.rng_base_key)
+                 for i, layer in enumerate(layers))
+    y, pullback = jg.sequential_vjp(layers, params, x, consts=consts, fuse=True)
+    ct = y / y.size
+    grads, g_x = pullback(ct)
+    y_ref, (grads_ref,), g_x_ref = reference_stack([chain], [tuple(ref_params)], x, ct,
+                                                   keys=[keys], consts=consts)
+    assert trees_equal((y, tuple(grads), g_x), (y_ref, grads_ref, g_x_ref))
+    params = [_sgd(p, g) for p, g in zip(params, grads)]
+    ref_params = [_sgd(p, g) for p, g in zip(ref_params, grads_ref)]
+  # One trace of the layer and one of the chain (depth calls); one fused forward + backward.
+  assert traces() == 1 + depth
+  assert sum(layer.stats.compiles for layer in layers) == compiles + 2
+
+
+def test_fused_tuple_carry():
+  depth = 3
+  params = _params(depth)
+  carry = (_x(), jnp.float32(0))
+  positions = jnp.arange(T, dtype=jnp.int32)
+  layers = jg.make_graphed([carry_block] * depth,
+                           sample_args=[(p, carry, positions) for p in params])
+  (h, aux), pullback = jg.sequential_vjp(layers, params, carry, consts=(positions,), fuse=True)
+  ct = (h / h.size, jnp.float32(1))
+  grads, g_carry = pullback(ct)
+  ref_out, (grads_ref,), g_carry_ref = reference_stack(
+      [fusion.Chain((carry_block,) * depth)], [tuple(params)], carry, ct, consts=(positions,))
+  assert trees_equal(((h, aux), tuple(grads), g_carry), (ref_out, grads_ref, g_carry_ref))
+  assert len(layers[0]._config.segments) == 1  # it ran fused
