@@ -166,11 +166,10 @@ class Trainer:
     # Compiled ahead like the layers, so the first step pays for no compile.
     self.zeros = zeros.lower(params).compile()
     total = jax.eval_shape(zeros, params)
-    grad_shapes = jax.eval_shape(lambda p: p, params)
     table = (jax.ShapeDtypeStruct(params[0]["embedding"].shape, jnp.float32)
              if config.tie_embeddings else None)
     self.accumulate = jax.jit(accumulate, donate_argnums=0).lower(
-        total, grad_shapes, table, total[1]).compile()
+        total, total[0], table, total[1]).compile()
     # The summed grads' buffers become the new params (donating the params too would leave
     # one of the two unused).
     self.apply = jax.jit(functools.partial(apply_update, tx, microbatches),
@@ -183,10 +182,11 @@ class Trainer:
     x, embed_pullback = embed.vjp(params[0], tokens)
     x, blocks_pullback = jg.sequential_vjp(blocks, params[1:-1], x, consts=(positions,))
     loss, head_pullback = head.vjp(params[-1], x, targets, *tied_table(params, self.config))
-    head_grads, x_grads, _, *table_grad = head_pullback(self.one)
+    head_grads, x_grads, _, *tied_grads = head_pullback(self.one)
     block_grads, x_grads = blocks_pullback(x_grads)
     embed_grads, _ = embed_pullback(x_grads)
-    return loss, [embed_grads, *block_grads, head_grads], (table_grad or [None])[0]
+    table_grad = tied_grads[0] if tied_grads else None
+    return loss, [embed_grads, *block_grads, head_grads], table_grad
 
   def grads(self, params: Params, batches: Sequence[tuple[jax.Array, jax.Array]],
             positions: jax.Array) -> Grads:
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                            step_batches(corpus, step, preset.microbatches),
                                            positions)
     pending.append(loss)
-    evaluate_now = step % preset.eval_every == 0 or step == stop
+    evaluate_now = step % preset.eval_every == 0 or step == total
     save = step % preset.checkpoint_every == 0 or step == stop
     if not (evaluate_now or save or step % 10 == 0):
       continue
@@ -507,9 +507,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for kind, layers in (("train", train_layers), ("eval", eval_layers))
                 for layer in graphed(layers)},
   }
-  print(f"trained steps {first + 1}-{stop}: final loss {losses[-1]:.4f}, held-out "
-        f"{eval_losses[-1][1]:.4f}; {result['tokens_per_second'] or 0:,.0f} tok/s graphed "
-        f"({seconds:.1f} s of training)")
+  held_out = f", held-out {eval_losses[-1][1]:.4f}" if eval_losses else ""
+  print(f"trained steps {first + 1}-{stop}: final loss {losses[-1]:.4f}{held_out}; "
+        f"{result['tokens_per_second'] or 0:,.0f} tok/s graphed ({seconds:.1f} s of training)")
 
   if check and run_steps:
     found = compare_with_whole_step(fns, trainer, check_start, graph_ends, corpus,
@@ -524,6 +524,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{found['first_step_max_grad_diff']:.3g}); over {run_steps} steps max |loss diff| "
           f"{found['max_loss_diff']:.3g}, final max |param diff| "
           f"{found['last_max_param_diff']:.3g}.")
+    if not bitwise:
+      print("  The whole step fuses across layer boundaries: with bf16 compute XLA keeps "
+            "activations in excess precision there (XLA_FLAGS=--xla_allow_excess_precision="
+            "false rounds them, as the graphed layers do); in fp32 fused kernels sum in "
+            "another order. See docs/llama.md.")
     graphed_rate, whole_rate = result["tokens_per_second"], found["whole_step_tokens_per_second"]
     print(f"tokens/s: graphed {graphed_rate:,.0f}, whole-step jax.jit {whole_rate:,.0f}, "
           f"ratio graphed/whole-step {graphed_rate / whole_rate:.3f}")
