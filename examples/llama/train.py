@@ -295,19 +295,20 @@ def compare_with_whole_step(fns: Sequence[Callable[..., Any]], trainer: Trainer,
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
-  check_losses, grads_diff, seconds = [], None, 0.0
+  # Timed like the graphed loop: batches made inside it, losses read at the end.
+  check_losses = []
+  begin = time.perf_counter()
   for offset in range(len(steps)):
-    step_inputs = inputs(offset)
-    begin = time.perf_counter()
-    check_params, check_state, loss, total = whole_step(check_params, check_state, *step_inputs)
-    check_losses.append(float(loss))
-    seconds += time.perf_counter() - begin
+    check_params, check_state, loss, total = whole_step(check_params, check_state,
+                                                        *inputs(offset))
+    check_losses.append(loss)
     if offset == 0:
-      grads_diff = max_diff(first_grads[0], total[0])
-      loss_diff = abs(float(first_grads[1]) - float(total[1]))
+      whole_first = total
+  check_losses = [float(loss) for loss in check_losses]
+  seconds = time.perf_counter() - begin
   return {
-      "first_step_loss_diff": loss_diff,
-      "first_step_max_grad_diff": grads_diff,
+      "first_step_loss_diff": abs(float(first_grads[1]) - float(whole_first[1])),
+      "first_step_max_grad_diff": max_diff(first_grads[0], whole_first[0]),
       "max_loss_diff": max(abs(a - b) for a, b in zip(losses, check_losses)),
       "last_max_param_diff": max_diff(params, check_params),
       "whole_step_compile_seconds": round(compile_seconds, 3),
@@ -525,10 +526,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{found['max_loss_diff']:.3g}, final max |param diff| "
           f"{found['last_max_param_diff']:.3g}.")
     if not bitwise:
-      print("  The whole step fuses across layer boundaries: with bf16 compute XLA keeps "
-            "activations in excess precision there (XLA_FLAGS=--xla_allow_excess_precision="
-            "false rounds them, as the graphed layers do); in fp32 fused kernels sum in "
-            "another order. See docs/llama.md.")
+      why = ("XLA keeps the bf16 activations that cross layer boundaries in excess precision "
+             "there (XLA_FLAGS=--xla_allow_excess_precision=false rounds them as the graphed "
+             "layers do)" if config.compute_dtype == jnp.bfloat16 else
+             "its fused kernels sum some products in another order (last-bit differences)")
+      print(f"  Not bitwise: the whole step fuses across layer boundaries, and {why}. See "
+            "docs/llama.md.")
     graphed_rate, whole_rate = result["tokens_per_second"], found["whole_step_tokens_per_second"]
     print(f"tokens/s: graphed {graphed_rate:,.0f}, whole-step jax.jit {whole_rate:,.0f}, "
           f"ratio graphed/whole-step {graphed_rate / whole_rate:.3f}")
@@ -562,8 +565,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = generate(prefill, decode, params, config, caches, jnp.asarray(prompt)[None],
                    new_tokens, args.temperature, jax.random.key(args.seed))
     block = decode[1].stats
-    print(f"decoded {new_tokens} tokens: the decode blocks compiled {block.compiles} time(s), "
-          f"at capture, and replayed {block.replays} times each\n"
+    print(f"decoded {new_tokens} tokens: {decode[1].name} compiled {block.compiles} executable "
+          f"at capture (the other blocks share it), replayed {block.replays} times, and "
+          "nothing compiled in the decode loop\n"
           f"prompt: {corpus.decode(prompt)!r}\ncontinuation: {corpus.decode(out)!r}")
     result["generation"] = {"prompt": corpus.decode(prompt), "continuation": corpus.decode(out),
                             "decode_stats": {layer.name: layer.stats._asdict()
