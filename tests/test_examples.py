@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -99,6 +100,51 @@ def test_llama_plain_ends_untied_without_dropout(tmp_path, env):
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   assert metrics["losses"][-1] < metrics["losses"][0]
   assert set(metrics["generation"]["decode_stats"]) == {"Block[0]", "Block[1]"}
+
+
+@pytest.fixture
+def llama(monkeypatch: pytest.MonkeyPatch) -> Any:
+  """examples/llama/train.py imported in this process (its model.py as `model`)."""
+  monkeypatch.syspath_prepend(str(EXAMPLES / "llama"))
+  spec = importlib.util.spec_from_file_location("llama_train", EXAMPLES / "llama" / "train.py")
+  train = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, "llama_train", train)  # it defines dataclasses
+  spec.loader.exec_module(train)
+  yield train
+  for name in ("model", "common"):  # the example's own top-level modules
+    sys.modules.pop(name, None)
+
+
+def test_llama_kv_cache_decode_matches_the_full_forward(llama):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  config = llama.Config(vocab=13, width=32, depth=2, heads=4, kv_heads=2, hidden=48,
+                        compute_dtype=jnp.float32)
+  model = llama.Llama(config, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (1, 10), 0, config.vocab)
+  expected = model(tokens)  # the plain NNX forward: logits at every position
+  fns, params = llama.split(model)
+  caches = model.init_cache(1, 10)
+  cache = jax.eval_shape(lambda: caches[0])
+  prompt = 4
+  prefill, decode = (llama.build_layers(fns, llama.generation_args(params, config, cache, n),
+                                        graph_ends=True, inference_only=True)
+                     for n in (prompt, 1))
+
+  def run(layers, tokens, positions):
+    x = layers[0](params[0], tokens)
+    for i, (layer, layer_params) in enumerate(zip(layers[1:-1], params[1:-1])):
+      x, caches[i] = layer(layer_params, x, positions, caches[i])
+    return layers[-1](params[-1], x[:, -1:], None, params[0]["embedding"][...])[:, 0]
+
+  got = [run(prefill, tokens[:, :prompt], jnp.arange(prompt))]
+  got += [run(decode, tokens[:, t:t + 1], jnp.array([t])) for t in range(prompt, 10)]
+  # Cached attention is computed differently from the causal one (a mask over the cache):
+  # equal up to float32 rounding.
+  assert jnp.allclose(jnp.stack(got, 1), expected[:, prompt - 1:], atol=1e-5, rtol=1e-5)
+  assert decode[1].stats.compiles == 1 and decode[1].stats.replays == 10 - prompt
 
 
 def test_linen_mlp_trains(capsys, monkeypatch):

@@ -98,6 +98,15 @@ class PlainLayer:
     return jax.vjp(self._jitted, *args)
 
 
+def split(model: Llama) -> tuple[list[Callable[..., Any]], Params]:
+  """Each part of `model` as a pure function and its params; the blocks take call-time
+  dropout rngs."""
+  fns, params = zip(jg.flax.nnx_layer(model.embed),
+                    *(jg.flax.nnx_layer(block, rngs_argument="rngs") for block in model.blocks),
+                    jg.flax.nnx_layer(model.head))
+  return list(fns), list(params)
+
+
 def build_layers(fns: Sequence[Callable[..., Any]], sample_args: Sequence[tuple[Any, ...]], *,
                  graph_ends: bool, **options: Any) -> list[Layer]:
   """One `make_graphed` call over the blocks, and over the embedding and head unless plain."""
@@ -320,6 +329,19 @@ def compare_with_whole_step(fns: Sequence[Callable[..., Any]], trainer: Trainer,
 # ----------------------------------------------------------------------------- generation
 
 
+def generation_args(params: Params, config: Config, cache: Cache, length: int
+                    ) -> list[tuple[Any, ...]]:
+  """`sample_args` of a generation call on `length` new positions of one sequence with a KV
+  cache: the prompt's length for the prefill, 1 for a decode step. The head sees the last
+  position only."""
+  tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+  x = jax.ShapeDtypeStruct((1, length, config.width), config.compute_dtype)
+  positions = jax.ShapeDtypeStruct((length,), jnp.int32)
+  last = jax.ShapeDtypeStruct((1, 1, config.width), config.compute_dtype)
+  return ([(params[0], tokens)] + [(p, x, positions, cache) for p in params[1:-1]]
+          + [(params[-1], last, None, *tied_table(params, config))])
+
+
 def generate(prefill: Sequence[Layer], decode: Sequence[Layer], params: Params, config: Config,
              caches: list[Cache], prompt: jax.Array, new_tokens: int, temperature: float,
              key: jax.Array) -> list[int]:
@@ -409,13 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   attention=None if preset.attention == "xla" else preset.attention)
   model = Llama(config, rngs=nnx.Rngs(params=args.seed))
 
-  # Each part as a pure function of its params; the blocks take call-time dropout rngs.
-  parts = [model.embed, *model.blocks, model.head]
-  fns, params = map(list, zip(
-      jg.flax.nnx_layer(model.embed),
-      *(jg.flax.nnx_layer(block, rngs_argument="rngs") for block in model.blocks),
-      jg.flax.nnx_layer(model.head)))
-  print(f"{sum(x.size for x in jax.tree.leaves(params)):,} params ({len(parts)} parts), "
+  fns, params = split(model)
+  print(f"{sum(x.size for x in jax.tree.leaves(params)):,} params ({len(params)} parts), "
         f"vocab {config.vocab}, {len(corpus.ids):,} training and "
         f"{len(corpus.held_out_ids):,} held-out characters")
 
@@ -546,19 +563,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # block taking its KV cache in and returning it updated.
     caches = model.init_cache(1, preset.context)
     cache = jax.eval_shape(lambda: caches[0])
-    one = jax.ShapeDtypeStruct((1, 1, config.width), config.compute_dtype)
-
-    def generation_args(length: int) -> list[tuple[Any, ...]]:
-      tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
-      x = jax.ShapeDtypeStruct((1, length, config.width), config.compute_dtype)
-      at = jax.ShapeDtypeStruct((length,), jnp.int32)
-      return ([(params[0], tokens)] + [(p, x, at, cache) for p in params[1:-1]]
-              + [(params[-1], one, None, *table)])
-
     begin = time.perf_counter()
-    prefill = build_layers(fns, generation_args(length), graph_ends=graph_ends,
-                           inference_only=True)
-    decode = build_layers(fns, generation_args(1), graph_ends=graph_ends, inference_only=True)
+    prefill = build_layers(fns, generation_args(params, config, cache, length),
+                           graph_ends=graph_ends, inference_only=True)
+    decode = build_layers(fns, generation_args(params, config, cache, 1),
+                          graph_ends=graph_ends, inference_only=True)
     print(f"captured prefill ({length} tokens) and decode (1 token) in "
           f"{time.perf_counter() - begin:.1f} s")
     prompt = corpus.held_out_ids[:length]
