@@ -32,7 +32,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from tqdm import tqdm
@@ -326,6 +325,29 @@ def compare_with_whole_step(fns: Sequence[Callable[..., Any]], trainer: Trainer,
   }
 
 
+def report_check(found: dict[str, Any], graphed_rate: float, compute_dtype: Any,
+                 steps: int) -> None:
+  """Prints what `compare_with_whole_step` found, why it is not bitwise, both throughputs."""
+  bitwise = found["first_step_loss_diff"] == 0 and found["first_step_max_grad_diff"] == 0
+  print(f"--check against one whole-step jax.jit (compiled in "
+        f"{found['whole_step_compile_seconds']:.1f} s), same keys: first step "
+        f"{'bitwise equal' if bitwise else 'NOT bitwise equal'} (|loss diff| "
+        f"{found['first_step_loss_diff']:.3g}, max |grad diff| "
+        f"{found['first_step_max_grad_diff']:.3g}); over {steps} steps max |loss diff| "
+        f"{found['max_loss_diff']:.3g}, final max |param diff| "
+        f"{found['last_max_param_diff']:.3g}.")
+  if not bitwise:
+    why = ("where XLA keeps the bf16 activations in excess precision "
+           "(XLA_FLAGS=--xla_allow_excess_precision=false rounds them, as the graphed layers "
+           "do)" if compute_dtype == jnp.bfloat16 else
+           "and its fused kernels sum some products in another order (last-bit differences)")
+    print(f"  Not bitwise: the whole step fuses across layer boundaries, {why}. See "
+          "docs/llama.md.")
+  whole_rate = found["whole_step_tokens_per_second"]
+  print(f"tokens/s: graphed {graphed_rate:,.0f}, whole-step jax.jit {whole_rate:,.0f}, "
+        f"ratio graphed/whole-step {graphed_rate / whole_rate:.3f}")
+
+
 # ----------------------------------------------------------------------------- generation
 
 
@@ -375,6 +397,36 @@ def generate(prefill: Sequence[Layer], decode: Sequence[Layer], params: Params, 
   after = [layer.stats.compiles for layer in graphed(decode)]
   assert after == compiles, f"the decode loop compiled: {compiles} -> {after}"
   return out
+
+
+def write_sample(model: Llama, fns: Sequence[Callable[..., Any]], params: Params,
+                 corpus: Corpus, graph_ends: bool, new_tokens: int, temperature: float,
+                 seed: int) -> dict[str, Any]:
+  """Captures a prefill and a decode, generates `new_tokens` after a held-out prompt that
+  fills the rest of the context, prints them; returns them with the decode layers' stats."""
+  config, context = model.config, corpus.context
+  length = context - new_tokens
+  # Two more signatures, forward only: the prompt at once, then one token at a time, each
+  # block taking its KV cache in and returning it updated.
+  caches = model.init_cache(1, context)
+  cache = jax.eval_shape(lambda: caches[0])
+  begin = time.perf_counter()
+  prefill = build_layers(fns, generation_args(params, config, cache, length),
+                         graph_ends=graph_ends, inference_only=True)
+  decode = build_layers(fns, generation_args(params, config, cache, 1), graph_ends=graph_ends,
+                        inference_only=True)
+  print(f"captured prefill ({length} tokens) and decode (1 token) in "
+        f"{time.perf_counter() - begin:.1f} s")
+  prompt = corpus.held_out_ids[:length]
+  out = generate(prefill, decode, params, config, caches, jnp.asarray(prompt)[None],
+                 new_tokens, temperature, jax.random.key(seed))
+  block = decode[1].stats
+  print(f"decoded {new_tokens} tokens: {decode[1].name} compiled {block.compiles} executable "
+        f"at capture (the other blocks share it), replayed {block.replays} times, and "
+        "nothing compiled in the decode loop\n"
+        f"prompt: {corpus.decode(prompt)!r}\ncontinuation: {corpus.decode(out)!r}")
+  return {"prompt": corpus.decode(prompt), "continuation": corpus.decode(out),
+          "decode_stats": {layer.name: layer.stats._asdict() for layer in graphed(decode)}}
 
 
 # ----------------------------------------------------------------------------------- main
@@ -501,7 +553,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     losses.extend(float(l) for l in pending)
     pending.clear()
     seconds += time.perf_counter() - mark
-    bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{(step - first) * tokens_per_step / seconds:,.0f}")
+    rate = (step - first) * tokens_per_step / seconds
+    bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:,.0f}")
     if evaluate_now:
       eval_losses.append((step, evaluate(eval_layers, params, config, corpus,
                                          preset.eval_batches, positions)))
@@ -534,53 +587,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     range(first + 1, stop + 1), positions, losses[first:],
                                     first_grads, params)
     result["check"] = found
-    bitwise = found["first_step_loss_diff"] == 0 and found["first_step_max_grad_diff"] == 0
-    print(f"--check against one whole-step jax.jit (compiled in "
-          f"{found['whole_step_compile_seconds']:.1f} s), same keys: first step "
-          f"{'bitwise equal' if bitwise else 'NOT bitwise equal'} (|loss diff| "
-          f"{found['first_step_loss_diff']:.3g}, max |grad diff| "
-          f"{found['first_step_max_grad_diff']:.3g}); over {run_steps} steps max |loss diff| "
-          f"{found['max_loss_diff']:.3g}, final max |param diff| "
-          f"{found['last_max_param_diff']:.3g}.")
-    if not bitwise:
-      why = ("XLA keeps the bf16 activations that cross layer boundaries in excess precision "
-             "there (XLA_FLAGS=--xla_allow_excess_precision=false rounds them as the graphed "
-             "layers do)" if config.compute_dtype == jnp.bfloat16 else
-             "its fused kernels sum some products in another order (last-bit differences)")
-      print(f"  Not bitwise: the whole step fuses across layer boundaries, and {why}. See "
-            "docs/llama.md.")
-    graphed_rate, whole_rate = result["tokens_per_second"], found["whole_step_tokens_per_second"]
-    print(f"tokens/s: graphed {graphed_rate:,.0f}, whole-step jax.jit {whole_rate:,.0f}, "
-          f"ratio graphed/whole-step {graphed_rate / whole_rate:.3f}")
+    report_check(found, result["tokens_per_second"], config.compute_dtype, run_steps)
 
   plot(losses, args.out / "loss.png", f"Llama ({args.preset}), blocks graphed", eval_losses)
   metrics_path.write_text(json.dumps(result, indent=1))
 
   if args.generate:
-    new_tokens = min(args.generate, preset.context // 2)
-    length = preset.context - new_tokens
-    # Two more signatures, forward only: the prompt at once, then one token at a time, each
-    # block taking its KV cache in and returning it updated.
-    caches = model.init_cache(1, preset.context)
-    cache = jax.eval_shape(lambda: caches[0])
-    begin = time.perf_counter()
-    prefill = build_layers(fns, generation_args(params, config, cache, length),
-                           graph_ends=graph_ends, inference_only=True)
-    decode = build_layers(fns, generation_args(params, config, cache, 1),
-                          graph_ends=graph_ends, inference_only=True)
-    print(f"captured prefill ({length} tokens) and decode (1 token) in "
-          f"{time.perf_counter() - begin:.1f} s")
-    prompt = corpus.held_out_ids[:length]
-    out = generate(prefill, decode, params, config, caches, jnp.asarray(prompt)[None],
-                   new_tokens, args.temperature, jax.random.key(args.seed))
-    block = decode[1].stats
-    print(f"decoded {new_tokens} tokens: {decode[1].name} compiled {block.compiles} executable "
-          f"at capture (the other blocks share it), replayed {block.replays} times, and "
-          "nothing compiled in the decode loop\n"
-          f"prompt: {corpus.decode(prompt)!r}\ncontinuation: {corpus.decode(out)!r}")
-    result["generation"] = {"prompt": corpus.decode(prompt), "continuation": corpus.decode(out),
-                            "decode_stats": {layer.name: layer.stats._asdict()
-                                             for layer in graphed(decode)}}
+    result["generation"] = write_sample(model, fns, params, corpus, graph_ends,
+                                        min(args.generate, preset.context // 2),
+                                        args.temperature, args.seed)
     metrics_path.write_text(json.dumps(result, indent=1))
   print(f"wrote {args.out / 'loss.png'}, {metrics_path}, {checkpoints.directory}")
   return result
