@@ -17,6 +17,9 @@ Variants (step = forward + loss gradient + backward + SGD update):
   jaxgraph-hooks      the same as jaxgraph, with a no-op pre_forward and backward replay hook
                       on every layer
   jaxgraph-nodropout  rng=False, no dropout
+  jaxgraph-recompute[-nodropout], jaxgraph-fuse-recompute
+                      make_graphed(..., remat_policy=jaxgraph.residuals.recompute_elementwise):
+                      elementwise intermediates recomputed in the backward, not saved
   jaxgraph-fuse       the same as jaxgraph with sequential_vjp(..., fuse=True): boundary fusion
                       replays the hook-free stack as one forward and one backward executable
   jaxgraph-raw        jaxgraph's own executables called from a bare loop, no jaxgraph Python
@@ -29,6 +32,8 @@ Variants (step = forward + loss gradient + backward + SGD update):
                       jaxgraph and jaxgraph-fuse with every kept residual travelling as its own
                       array (a diagnostic: what packing small residuals saves)
   jit-unrolled        one jax.jit of the whole step, layers unrolled
+  jit-unrolled-nodropout
+                      the same without dropout (the reference of the -nodropout variants)
   jit-scan            one jax.jit of the whole step, layers in lax.scan
   torch-eager, torch-graphed (torch.cuda.make_graphed_callables), when torch sees a GPU
 """
@@ -58,10 +63,14 @@ from jax.experimental import serialize_executable  # noqa: E402
 import gpt  # noqa: E402
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import capture as capture_lib  # noqa: E402
+from jaxgraph import residuals  # noqa: E402
 
 JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
-                "jaxgraph-fuse", "jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked",
-                "jaxgraph-fuse-unpacked", "jit-unrolled", "jit-scan")
+                "jaxgraph-recompute", "jaxgraph-recompute-nodropout", "jaxgraph-fuse",
+                "jaxgraph-fuse-recompute",
+                "jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked",
+                "jaxgraph-fuse-unpacked", "jit-unrolled", "jit-unrolled-nodropout", "jit-scan")
+NO_DROPOUT = "-nodropout"  # compared with jit-unrolled-nodropout
 TORCH_VARIANTS = ("torch-eager", "torch-graphed")
 # Diagnostics: what jaxgraph does, with one piece changed; they get no probe of their own.
 DIAGNOSTICS = ("jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked", "jaxgraph-fuse-unpacked")
@@ -117,12 +126,13 @@ def build(name: str, size: gpt.Size, attention: str | None, layers: int | None =
 
 def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0: jax.Array,
                     count: int) -> Variant:
-  rng = name != "jaxgraph-nodropout"
+  rng = not name.endswith(NO_DROPOUT)
   head = _compile(jax.grad(gpt.loss), x0)
   update = _compile(gpt.sgd, params, params, donate=(0,))
   hooks = jg.Hooks(pre_forward=[_noop], backward=[_noop]) if name == "jaxgraph-hooks" else None
+  policy = residuals.recompute_elementwise if "-recompute" in name else None
   layers = jg.make_graphed([block] * count, hooks, sample_args=[(p, x0) for p in params],
-                           rng=rng)
+                           rng=rng, remat_policy=policy)
   if name.startswith("jaxgraph-raw"):
     return _raw(name, layers, params, x0, head, update)
   if name == "jaxgraph-keys":
@@ -140,7 +150,7 @@ def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0:
     return Variant(name, keys_step, (params, jnp.int32(0)), 0.0, executables=2 * count + 3,
                    layers=layers)
 
-  fuse = name == "jaxgraph-fuse"
+  fuse = name.startswith("jaxgraph-fuse")
 
   def step(ps: list[Any]) -> list[Any]:
     y, pullback = jg.sequential_vjp(layers, ps, x0, fuse=fuse)
@@ -194,6 +204,7 @@ def _raw(name: str, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x
 def _build_jit(name: str, block: Callable[..., Any], params: list[Any], x0: jax.Array,
                count: int) -> Variant:
   base = jax.random.key(2)
+  dropout = not name.endswith(NO_DROPOUT)
   if name == "jit-scan":
     params = jax.tree.map(lambda *a: jnp.stack(a), *params)
 
@@ -204,7 +215,7 @@ def _build_jit(name: str, block: Callable[..., Any], params: list[Any], x0: jax.
     def forward(ps: Any, keys: jax.Array) -> jax.Array:
       x = x0
       for i in range(count):
-        x = block(ps[i], x, key=keys[i])
+        x = block(ps[i], x, key=keys[i] if dropout else None)
       return gpt.loss(x)
 
   def train(ps: Any, s: jax.Array) -> tuple[Any, jax.Array]:
@@ -349,8 +360,9 @@ def machine() -> dict[str, Any]:
 
 
 def print_table(records: list[dict[str, Any]], capture: dict[str, Any]) -> None:
-  header = (f"{'size':7} {'variant':19} {'step ms':>8} {'spread':>7} {'x unrolled':>10} "
+  header = (f"{'size':7} {'variant':28} {'step ms':>8} {'spread':>7} {'x unrolled':>10} "
             f"{'capture s':>9} {'peak MiB':>9} {'host µs/exe':>11} {'exe/step':>8}")
+  print("x unrolled: over the whole-step jit with the same dropout (-nodropout rows: none)")
   print(header)
   print("-" * len(header))
   for r in records:
@@ -358,7 +370,7 @@ def print_table(records: list[dict[str, Any]], capture: dict[str, Any]) -> None:
     host = (f"{r['host_us_per_executable']:11.1f}" if r.get("host_us_per_executable")
             else f"{'-':>11}")
     ratio = f"{r['x_unrolled']:10.3f}" if r.get("x_unrolled") else f"{'-':>10}"
-    print(f"{r['size']:7} {r['variant']:19} {r['step']['median']:8.3f} "
+    print(f"{r['size']:7} {r['variant']:28} {r['step']['median']:8.3f} "
           f"{r['step']['spread_pct']:6.1f}% {ratio} {r['capture_s']:9.2f} {peak} {host} "
           f"{r.get('executables_per_step') or '-':>8}")
   for size, c in capture.items():
@@ -465,7 +477,8 @@ def main() -> None:
     r.setdefault("capture_s", r.get("capture_s_in_process", 0.0))
     r["step"] = _summary(r["step_ms"])
   for r in records:
-    base = [b for b in records if b["size"] == r["size"] and b["variant"] == "jit-unrolled"]
+    reference = "jit-unrolled" + (NO_DROPOUT if r["variant"].endswith(NO_DROPOUT) else "")
+    base = [b for b in records if b["size"] == r["size"] and b["variant"] == reference]
     if base:
       r["x_unrolled"] = r["step"]["median"] / base[0]["step"]["median"]
   os.makedirs(args.out, exist_ok=True)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 DTYPE = jnp.bfloat16
 LR = 1e-3
@@ -33,6 +34,7 @@ SIZES = {
     "tiny": Size("tiny", d=32, heads=2, seq=8, batch=2, layers=2),
     "small": Size("small", d=512, heads=8, seq=256, batch=8, layers=12),
     "medium": Size("medium", d=2048, heads=16, seq=1024, batch=8, layers=12),
+    "large": Size("large", d=4096, heads=32, seq=2048, batch=4, layers=12),
 }
 
 
@@ -74,22 +76,29 @@ def _dropout(key: jax.Array | None, x: jax.Array) -> jax.Array:
   return jnp.where(keep, x / (1 - DROPOUT), 0).astype(x.dtype)
 
 
-def make_block(heads: int, attention: str | None) -> Callable[..., jax.Array]:
+def make_block(heads: int, attention: str | None, *, name_matmul_inputs: bool = False
+               ) -> Callable[..., jax.Array]:
   """`block(params, x, *, key=None)`: dropout when a key is given, none without one.
 
   `attention` is `jax.nn.dot_product_attention`'s implementation ("cudnn", "xla" or None).
+  `name_matmul_inputs` tags the normed inputs and the GELU output (what the forward writes
+  out anyway, as matmul operands) with `checkpoint_name`, so a residual policy that saves
+  named values (`jaxgraph.residuals.recompute_elementwise`) keeps them rather than
+  recomputing them in the backward.
   """
+  name = checkpoint_name if name_matmul_inputs else (lambda value, _: value)
 
   def block(p: dict[str, Any], x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
     b, t, d = x.shape
     k1, k2 = jax.random.split(key) if key is not None else (None, None)
-    qkv = (_layernorm(p["ln1"], x) @ p["qkv"]["w"] + p["qkv"]["b"]).reshape(b, t, 3, heads,
-                                                                           d // heads)
+    qkv = (name(_layernorm(p["ln1"], x), "matmul_input") @ p["qkv"]["w"]
+           + p["qkv"]["b"]).reshape(b, t, 3, heads, d // heads)
     a = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True,
                                      implementation=attention).reshape(b, t, d)
     x = x + _dropout(k1, a @ p["proj"]["w"] + p["proj"]["b"])
-    h = jax.nn.gelu(_layernorm(p["ln2"], x) @ p["fc1"]["w"] + p["fc1"]["b"], approximate=False)
-    return x + _dropout(k2, h @ p["fc2"]["w"] + p["fc2"]["b"])
+    h = jax.nn.gelu(name(_layernorm(p["ln2"], x), "matmul_input") @ p["fc1"]["w"]
+                    + p["fc1"]["b"], approximate=False)
+    return x + _dropout(k2, name(h, "matmul_input") @ p["fc2"]["w"] + p["fc2"]["b"])
 
   return block
 

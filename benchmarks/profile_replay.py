@@ -21,6 +21,8 @@ import io
 import json
 import os
 import pstats
+import shutil
+import subprocess
 import tempfile
 import time
 from typing import Any
@@ -61,7 +63,46 @@ def trace_variant(variant: bench.Variant, steps: int) -> dict[str, Any]:
   busy, ops, span = _busy(trace)
   return dict(variant=variant.name, traced_step_ms=1e3 * wall / steps,
               gpu_busy_ms_per_step=busy / 1e3 / steps, device_ops_per_step=ops / steps,
-              gpu_span_ms_per_step=span / 1e3 / steps)
+              gpu_span_ms_per_step=span / 1e3 / steps,
+              host_events_us_per_step=_host_events(trace, steps))
+
+
+def _host_events(trace: dict[str, Any], steps: int, top: int = 25) -> dict[str, float]:
+  """Total µs per step of each host event name (the runtime's TraceMe spans: nested spans
+  are counted in their parents too), largest first."""
+  names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  host = {pid for pid, name in names.items() if "gpu" not in name.lower() or "host" in name.lower()}
+  totals: dict[str, float] = {}
+  for e in trace["traceEvents"]:
+    if e.get("ph") == "X" and e.get("pid") in host and e.get("dur"):
+      totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"] / steps
+  return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
+
+
+def sample_native(variant: bench.Variant, seconds: float, path: str) -> None:
+  """Replays `variant` for `seconds` under py-spy's sampling profiler with native frames
+  (the runtime's C++ under `Compiled.__call__`), written as collapsed stacks to `path`, and
+  the steps and executable calls that ran to `path` with `.json` (`native_breakdown.py`)."""
+  spy = shutil.which("py-spy")
+  if spy is None:
+    print("py-spy not found: no native sampling profile")
+    return
+  sampler = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--native", "--rate",
+                              "1000", "--format", "raw", "--duration", str(int(seconds)),
+                              "--output", path], stdout=subprocess.DEVNULL)
+  time.sleep(1.0)  # py-spy attaches
+  start = time.perf_counter()
+  steps = 0
+  while time.perf_counter() < start + seconds and sampler.poll() is None:
+    variant.state = variant.step(variant.state)
+    steps += 1
+  jax.block_until_ready(variant.state)
+  elapsed = time.perf_counter() - start
+  sampler.wait()
+  with open(os.path.splitext(path)[0] + ".json", "w") as f:
+    json.dump(dict(variant=variant.name, seconds=elapsed, steps=steps,
+                   calls=steps * variant.executables), f)
 
 
 def host_profile(variant: bench.Variant, steps: int) -> str:
@@ -84,6 +125,8 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--attention", default=None)
   parser.add_argument("--out", default=".")
+  parser.add_argument("--sample-seconds", type=float, default=0.0,
+                      help="then replay each jaxgraph variant this long under py-spy --native")
   args = parser.parse_args()
   attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else None)
   size = gpt.SIZES[args.size]
@@ -96,6 +139,9 @@ def main() -> None:
   if host:
     with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
       f.write(host_profile(host[0], 20 * args.steps))
+  for v in variants:
+    if args.sample_seconds and v.name.startswith("jaxgraph"):
+      sample_native(v, args.sample_seconds, os.path.join(args.out, f"native_{v.name}.txt"))
   with open(os.path.join(args.out, "profile.json"), "w") as f:
     json.dump(dict(size=args.size, results=results), f, indent=1)
   for r in results:

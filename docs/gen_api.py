@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import inspect
 import pathlib
+import sys
 import types
 
-import jaxgraph
+# The jaxgraph of this checkout, wherever the script is run from.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jaxgraph  # noqa: E402
 
 PAGE = pathlib.Path(__file__).with_name("api.md")
-SUBMODULES = ("fsdp", "schedule", "flax", "rng")
+SUBMODULES = ("fsdp", "schedule", "flax", "residuals", "rng")
 
 
 def _signature(obj: object) -> str:

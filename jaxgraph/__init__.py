@@ -8,6 +8,7 @@ import importlib
 import types
 
 from jaxgraph import fsdp
+from jaxgraph import residuals
 from jaxgraph import schedule
 from jaxgraph.api import make_graphed
 from jaxgraph.graphed import GraphedCallable, Pullback, Stats, sequential_vjp
@@ -29,6 +30,7 @@ __all__ = [
     "fsdp",
     "is_capturing",
     "make_graphed",
+    "residuals",
     "schedule",
     "sequential_vjp",
 ]

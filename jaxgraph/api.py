@@ -191,14 +191,16 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
 
 
 def _check_inference_only(inference_only: bool, *, delay_wgrad: bool,
-                          order: Sequence[float] | None, offload: bool) -> None:
+                          order: Sequence[float] | None, offload: bool,
+                          remat_policy: Callable[..., bool] | None) -> None:
   if not isinstance(inference_only, bool):
     raise TypeError(f"inference_only must be a bool, got {inference_only!r}.")
   if not inference_only:
     return
   conflicts = [name for name, given in (("delay_wgrad", delay_wgrad),
                                         ("offload_residuals", offload),
-                                        ("order", order is not None)) if given]
+                                        ("order", order is not None),
+                                        ("remat_policy", remat_policy is not None)) if given]
   if conflicts:
     raise ValueError(
         f"make_graphed got inference_only=True together with {' and '.join(conflicts)}, "
@@ -223,6 +225,7 @@ def make_graphed(
     offload_residuals: bool | Sequence[bool] = False,
     max_captures: int = 8,
     on_new_signature: graphed_lib.OnNewSignature = "capture",
+    remat_policy: Callable[..., bool] | None = None,
     inference_only: bool = False,
 ) -> graphed_lib.GraphedCallable | tuple[graphed_lib.GraphedCallable, ...]:
   """Captures per-layer functions into ahead-of-time compiled forward/backward executables.
@@ -265,6 +268,16 @@ def make_graphed(
       run through `jax.jit` (one warning).
     on_new_signature: "capture" (up to `max_captures`) or "error" (raise on any signature
       that was not captured from `sample_args`).
+    remat_policy: which intermediates the forward saves for the backward, as a
+      `jax.checkpoint` policy; the others are recomputed inside the backward executable.
+      None (the default) saves every residual `jax.vjp` keeps: bitwise `jax.vjp(fn)`.
+      `jaxgraph.residuals.recompute_elementwise` saves the outputs of matmuls, attention,
+      reductions and comparisons (masks) and recomputes elementwise ops and layout changes,
+      as XLA does by fusion inside one whole-step executable: a quarter of the residual
+      memory and less device time for a GPT block (docs/performance.md). With a policy the
+      results are bitwise those of `jax.vjp(jax.checkpoint(fn, policy=...))`, which can
+      differ from `jax.vjp(fn)` by rounding (jax.checkpoint rounds saved values to their
+      dtype: `reduce_precision`).
     inference_only: capture for `g(*args)` only. Each signature is traced as the function
       is (not through `jax.vjp`) and compiles exactly one executable, at capture: the
       outputs-only forward (with `rng`, the stream forward, which still advances the key
@@ -272,7 +285,8 @@ def make_graphed(
       `g.vjp` and `sequential_vjp` raise. Warmup runs the forwards only, so `pre_forward`
       and `forward` hooks fire there and at capture, backward hooks never. Signatures
       captured later (`max_captures`) are forward-only too. Not combinable with
-      `delay_wgrad`, `offload_residuals` or `order`, which concern the backward.
+      `delay_wgrad`, `offload_residuals`, `order` or `remat_policy`, which concern the
+      backward.
 
   Returns:
     One `GraphedCallable` for a single callable, else a tuple of them.
@@ -303,6 +317,9 @@ def make_graphed(
   if on_new_signature not in _ON_NEW_SIGNATURE:
     raise ValueError(f"on_new_signature must be one of {_ON_NEW_SIGNATURE}, got "
                      f"{on_new_signature!r}.")
+  if remat_policy is not None and not callable(remat_policy):
+    raise TypeError(f"remat_policy must be a jax.checkpoint policy (a callable, e.g. "
+                    f"jaxgraph.residuals.recompute_elementwise) or None, got {remat_policy!r}.")
   for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
     if hook is not None and not callable(hook):
       raise TypeError(f"{name} must be a callable taking no arguments, got {hook!r}.")
@@ -328,7 +345,7 @@ def make_graphed(
       raise TypeError(f"sample_args[{i}]: {e}") from None
   offload = _per_callable_flags(offload_residuals, count, "offload_residuals")
   _check_inference_only(inference_only, delay_wgrad=delay_wgrad, order=order,
-                        offload=any(offload))
+                        offload=any(offload), remat_policy=remat_policy)
   if any(offload):
     offload_lib.check_backend_supports_offload()
   replay_hooks = hooks_lib.per_callable(hooks, count, "hooks")
@@ -337,7 +354,7 @@ def make_graphed(
   config = graphed_lib.Config(rng=seed is not None, delay_wgrad=delay_wgrad,
                               wgrad_argnums=wgrad_argnums, max_captures=max_captures,
                               on_new_signature=on_new_signature,
-                              inference_only=inference_only)
+                              inference_only=inference_only, remat_policy=remat_policy)
   layers = [graphed_lib.GraphedCallable(fn, i, config, hooks=replay_hooks[i],
                                         capture_time_hooks=capture_hooks[i], offload=offload[i])
             for i, fn in enumerate(fn_list)]

@@ -126,6 +126,7 @@ class Executables:
   offload: bool
   compiles: int
   compile_seconds: float
+  residual_bytes: int               # what one forward keeps for its backward (kept, packed)
 
 
 def _is_inexact(dtype: Any) -> bool:
@@ -169,11 +170,14 @@ def _output_specs(out_info: Sequence[Any], name: str) -> tuple[jax.ShapeDtypeStr
 
 
 def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
-                  name: str) -> tuple[Any, Layout]:
+                  name: str, remat_policy: Callable[..., bool] | None = None
+                  ) -> tuple[Any, Layout]:
   """Traces `fn` once through `jax.vjp`; returns the closed jaxpr and the residual layout.
 
   The jaxpr maps `(*arg_leaves, *keys)` to `[*output_leaves, *kept_residuals]`. `fn` gets
   `key=` one key when `n_keys == 1`, a tuple of `n_keys` keys when more (a fused chain).
+  With `remat_policy`, `fn` runs under `jax.checkpoint` with that policy: only what the
+  policy saves is kept, the rest is recomputed in the backward.
   """
   n_args = len(signature.leaves)
   diff = tuple(i for i, s in enumerate(signature.leaves) if _is_inexact(s.dtype))
@@ -188,6 +192,9 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
         leaves[i] = leaf
       return _apply(fn, jax.tree.unflatten(signature.treedef, leaves), keys)
 
+    if remat_policy is not None:
+      # No CSE across forward and backward is possible: they are different executables.
+      primal = jax.checkpoint(primal, policy=remat_policy, prevent_cse=False)
     out, vjp_fn = jax.vjp(primal, *[arg_leaves[i] for i in diff])
     out_leaves, out_treedef = jax.tree.flatten(out)
     residuals, res_treedef = jax.tree.flatten(vjp_fn)
@@ -301,7 +308,7 @@ def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Call
 
 def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]], offload: bool,
-            name: str) -> Executables:
+            name: str, remat_policy: Callable[..., bool] | None = None) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -315,10 +322,12 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       (device residuals only).
     offload: write the kept residuals to pinned host memory, read them back in the backward.
     name: the callable's name, for errors.
+    remat_policy: a `jax.checkpoint` policy choosing the residuals (None: all of `jax.vjp`'s).
   """
   timer = _Timer()
   start = time.perf_counter()
-  closed, layout = trace_forward(fn, signature, n_keys=n_keys, name=name)
+  closed, layout = trace_forward(fn, signature, n_keys=n_keys, name=name,
+                                 remat_policy=remat_policy)
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
   first: ForwardKind = "stream" if n_keys else "explicit"
@@ -346,9 +355,12 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
     bwd = jax.jit(_backward_fn(layout, select, offload), donate_argnums=donate if last else (),
                   **placed)
     compiled_backward[kind] = (timer.compile(bwd.trace(*bwd_specs)), select)
+  kept_specs = out_info[layout.n_out:layout.n_out + layout.n_kept]
   return Executables(signature=signature, layout=layout, forward=forward,
                      backward=compiled_backward, closed_jaxpr=closed, offload=offload,
-                     compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds)
+                     compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds,
+                     residual_bytes=sum(math.prod(s.shape) * s.dtype.itemsize
+                                        for s in kept_specs))
 
 
 def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
@@ -370,7 +382,7 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
       jax.jit(fwd).trace(*_forward_specs(signature, layout, first)))}
   return Executables(signature=signature, layout=layout, forward=forward, backward={},
                      closed_jaxpr=closed, offload=False, compiles=timer.compiles,
-                     compile_seconds=timer.seconds + trace_seconds)
+                     compile_seconds=timer.seconds + trace_seconds, residual_bytes=0)
 
 
 def _warn_constant_keys(closed: Any, name: str) -> None:

@@ -88,6 +88,7 @@ class FusedSegment(graphed_lib.GraphedCallable):
                      hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
                      offload=first._offload)
     self.name = f"fused({first.name}..{layers[-1].name})"
+    self._trace_names = (f"jaxgraph {self.name} forward", f"jaxgraph {self.name} backward")
 
   @property
   def _n_keys(self) -> int:

@@ -32,6 +32,9 @@ class Stats(NamedTuple):
     replays: forward replays (calls and `vjp`), warmup excluded.
     backward_replays: backward replays (pullback calls), warmup excluded.
     fallbacks: calls run through plain `jax.jit` after `max_captures` signatures.
+    residual_bytes: bytes one `vjp` keeps alive for its backward besides the arguments and
+      outputs the caller holds anyway (kept residuals), for the signature captured last; 0
+      before any capture. Lower it with `make_graphed(..., remat_policy=...)`.
   """
 
   captures: int
@@ -41,6 +44,7 @@ class Stats(NamedTuple):
   replays: int
   backward_replays: int
   fallbacks: int
+  residual_bytes: int
 
 
 @dataclasses.dataclass
@@ -53,6 +57,7 @@ class Config:
   max_captures: int
   on_new_signature: OnNewSignature
   inference_only: bool = False  # forward-only capture: no residuals, no backward
+  remat_policy: Callable[..., bool] | None = None
   # (function, signature, offload) -> executables, shared by identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
   # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
@@ -170,6 +175,8 @@ class GraphedCallable:
     self.fn = fn
     self.index = index
     self.name = f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]"
+    # Each replay shows up under these names in a jax.profiler trace (TensorBoard, Perfetto).
+    self._trace_names = (f"jaxgraph {self.name} forward", f"jaxgraph {self.name} backward")
     self._config = config
     self._hooks = hooks
     self._capture_time_hooks = capture_time_hooks
@@ -204,8 +211,9 @@ class GraphedCallable:
       hits += segment._cache_hits
       compiles += segment._compiles
       seconds += segment._compile_seconds
+    last = next(reversed(self._entries.values()), None)
     return Stats(captures, hits, compiles, seconds, self._replays, self._backward_replays,
-                 self._fallbacks)
+                 self._fallbacks, last.residual_bytes if last is not None else 0)
 
   def reset(self) -> None:
     """Drops this callable's executables, and those of fused segments it belongs to; its
@@ -381,7 +389,7 @@ class GraphedCallable:
             entry = capture_lib.capture(
                 self.fn, signature, n_keys=self._n_keys,
                 backward=_backward_plan(config, signature), offload=self._offload,
-                name=self.name)
+                remat_policy=config.remat_policy, name=self.name)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")
@@ -442,8 +450,9 @@ class GraphedCallable:
     if seconds:
       self._compiles += 1
       self._compile_seconds += seconds
+    with jax.profiler.TraceAnnotation(self._trace_names[0]):
+      values = (exe(*self._stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
     if stream_mode:
-      values = exe(*self._stream_inputs(stream), *inputs)
       # outputs and kept residuals, then one derived key and one next counter per key
       n = len(values) - 2 * layout.n_keys
       derived, counters = values[n:n + layout.n_keys], values[n + layout.n_keys:]
@@ -451,8 +460,6 @@ class GraphedCallable:
       inputs = inputs + derived
       if stream is None:
         self._advance(counters)
-    else:
-      values = exe(*inputs)
     if not with_pullback:
       return (jax.tree.unflatten(layout.out_treedef, values),)
     outs, kept = values[:layout.n_out], values[layout.n_out:]
@@ -464,7 +471,8 @@ class GraphedCallable:
     def run(kind: capture_lib.BackwardKind, cts: list[Any]) -> list[Any]:
       exe, _ = entry.backward[kind]
       try:
-        return exe(*needed_inputs, *needed_outputs, *kept, *cts)
+        with jax.profiler.TraceAnnotation(owner._trace_names[1]):
+          return exe(*needed_inputs, *needed_outputs, *kept, *cts)
       except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
         if any(getattr(x, "is_deleted", lambda: False)() for x in needed_inputs + needed_outputs):
           raise RuntimeError(

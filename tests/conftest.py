@@ -1,25 +1,96 @@
-"""Test setup: 8 virtual CPU devices (set before jax is imported) and shared fixtures."""
+"""Test setup: the platform, 8 virtual CPU devices, and the `gpu` / `devices` markers.
 
+One command runs the suite on any machine: `python -m pytest`. Before jax is imported
+(after that its platform and XLA_FLAGS are fixed) this file decides where the tests run:
+
+* A CUDA GPU is usable (a jax CUDA plugin is installed and an NVIDIA device is present):
+  the tests run on the GPU (JAX's default backend), with deterministic GPU reductions, which
+  the bitwise comparisons need. `gpu` tests run.
+* Otherwise JAX_PLATFORMS=cpu, as CI runs; `gpu` tests are skipped, saying why.
+
+A JAX_PLATFORMS or an XLA flag the user set is kept (`JAX_PLATFORMS=cpu` runs the CPU suite
+on a GPU machine; `XLA_FLAGS=--xla_force_host_platform_device_count=1` gives one CPU device).
+The CPU backend gets 8 virtual devices either way: `@pytest.mark.devices(n)` tests run on the
+default backend when it has `n` devices, else on the CPU backend's (they test plumbing, not
+GPU kernels), else they are skipped with a reason naming the count (`models.devices_for`).
+"""
+
+import glob
+import importlib.util
 import os
+import shutil
 
+
+def _cuda_usable() -> bool:
+  """Whether a CUDA GPU looks usable, judged without importing jax: a jax CUDA plugin is
+  installed and the machine has an NVIDIA device. jax itself decides in the end (it falls
+  back to CPU if the GPU fails to start); the markers read `jax.devices()`."""
+  def installed(name: str) -> bool:
+    try:
+      return importlib.util.find_spec(name) is not None
+    except ImportError:  # no jax_plugins namespace at all
+      return False
+
+  plugin = any(installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+  return plugin and bool(glob.glob("/dev/nvidia[0-9]*") or shutil.which("nvidia-smi"))
+
+
+CUDA = _cuda_usable()
 _flags = ["--xla_force_host_platform_device_count=8"]
-if os.environ.get("JAXGRAPH_TEST_GPU"):
+if CUDA:
   # Bitwise comparisons between two executables need deterministic GPU reductions.
   _flags.append("--xla_gpu_deterministic_ops=true")
+  # JAX_PLATFORMS stays unset: jax starts the GPU and, next to it, the CPU backend with its
+  # virtual devices (for `devices`-marked tests).
+else:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_given, *(f for f in _flags if f.split("=")[0] not in _given)]).strip()
-if "gpu" not in os.environ.get("PYTEST_ADDOPTS", "") and not os.environ.get("JAXGRAPH_TEST_GPU"):
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from models import devices_for  # noqa: E402
+
+
+def _count(platform: str | None) -> str:
+  try:
+    devices = jax.devices(platform)
+  except RuntimeError:  # that backend is not started (JAX_PLATFORMS)
+    return f"0 ({platform})"
+  return f"{len(devices)} ({devices[0].platform})"
+
+
+def pytest_report_header(config):
+  return (f"jax {jax.__version__}, default backend {jax.default_backend()}: "
+          f"{_count(None)} devices; cpu backend: {_count('cpu')} devices")
+
 
 def pytest_collection_modifyitems(config, items):
-  has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get(
-      "JAXGRAPH_TEST_GPU") else False
-  skip = pytest.mark.skip(reason="needs a CUDA GPU (run with JAXGRAPH_TEST_GPU=1 -m gpu)")
+  on_gpu = jax.default_backend() == "gpu"
+  gpu_skip = pytest.mark.skip(
+      reason=f"needs a CUDA GPU; the default backend is {jax.default_backend()}")
   for item in items:
-    if "gpu" in item.keywords and not has_gpu:
-      item.add_marker(skip)
+    if "gpu" in item.keywords and not on_gpu:
+      item.add_marker(gpu_skip)
+    marker = item.get_closest_marker("devices")
+    if marker is not None and not devices_for(*marker.args, **marker.kwargs):
+      n = marker.args[0]
+      platform = marker.kwargs.get("platform")
+      found = (_count(platform) if platform else
+               " and ".join(dict.fromkeys([_count(None), _count("cpu")])))
+      item.add_marker(pytest.mark.skip(reason=f"needs {n} devices, found {found}"))
+
+
+@pytest.fixture(autouse=True)
+def _on_marked_devices(request):
+  """Runs a `devices`-marked test with its devices' first as JAX's default device, so the
+  arrays it creates without a placement land on the same platform as its mesh."""
+  marker = request.node.get_closest_marker("devices")
+  devices = devices_for(*marker.args, **marker.kwargs) if marker else []
+  if not devices or devices[0].platform == jax.default_backend():
+    yield
+    return
+  with jax.default_device(devices[0]):
+    yield

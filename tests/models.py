@@ -23,6 +23,29 @@ def counting(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[], i
   return counted, lambda: calls
 
 
+def devices_for(n: int, platform: str | None = None) -> list[jax.Device]:
+  """The devices a test that needs `n` of one platform runs on (`@pytest.mark.devices(n)`).
+
+  Args:
+    n: how many devices the test needs.
+    platform: None for the default backend's devices when there are `n`, else the CPU
+      backend's (8 virtual devices, set up by tests/conftest.py): the multi-device tests
+      check plumbing (placement, shardings, collectives in the HLO), which CPU devices show
+      as well, so they still run next to one GPU. "cpu" for the CPU backend's only.
+
+  Returns:
+    Every device of the platform chosen, or [] when none has `n` (the test is skipped).
+  """
+  for name in [platform] if platform else [None, "cpu"]:
+    try:
+      devices = jax.devices(name)
+    except RuntimeError:  # that backend is not started (JAX_PLATFORMS)
+      continue
+    if len(devices) >= n:
+      return devices
+  return []
+
+
 def mlp(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
   return x + jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
 
@@ -101,3 +124,43 @@ def trees_equal(a: Any, b: Any) -> bool:
   return ta == tb and all(
       x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))
       for x, y in zip(la, lb))
+
+
+def platform_of(*trees: Any) -> str:
+  """The platform of the first JAX array in `trees`; for host data, of the default device."""
+  for leaf in jax.tree.leaves(trees):
+    if isinstance(leaf, jax.Array):
+      return next(iter(leaf.devices())).platform
+  default = jax.config.jax_default_device
+  if default is None:
+    return jax.default_backend()
+  return default if isinstance(default, str) else default.platform
+
+
+def assert_equal_or_close(a: Any, b: Any, *, gpu_rtol: float, gpu_atol: float = 0.0,
+                          why: str) -> None:
+  """Bitwise equality of two pytrees on CPU; on GPU, equality up to `gpu_rtol` / `gpu_atol`.
+
+  For comparisons between two *different* programs (one whole-step executable against
+  per-layer ones, say) that are exact on CPU but not on GPU, where XLA may fuse and order a
+  reduction differently in each program even with deterministic ops (which only make one
+  executable repeat itself). docs/reliability.md lists the tests that use it.
+
+  Args:
+    a: the result under test.
+    b: the reference, with the same structure.
+    gpu_rtol: relative tolerance on GPU.
+    gpu_atol: absolute tolerance on GPU.
+    why: why the two programs may round differently on GPU; shown when the check fails.
+  """
+  platform = platform_of(a, b)
+  if platform == "cpu":
+    assert trees_equal(a, b), f"not bitwise equal on CPU (on GPU only close: {why})"
+    return
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb, (ta, tb)
+  for i, (x, y) in enumerate(zip(la, lb)):
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                               rtol=gpu_rtol, atol=gpu_atol,
+                               err_msg=f"leaf {i} on {platform} (compared up to rounding: {why})")

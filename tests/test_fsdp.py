@@ -1,4 +1,8 @@
-"""jg.fsdp on 8 virtual CPU devices: placement rule, gather, training, HLO, shardings, memory."""
+"""jg.fsdp on 8 devices: placement rule, gather, training, HLO, shardings, memory.
+
+The 8 devices are the default backend's when it has 8, else the CPU backend's 8 virtual ones
+(`@pytest.mark.devices(8)`, tests/conftest.py): next to one GPU these tests run on CPU.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +22,16 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import fsdp_worker
 import jaxgraph as jg
 from jaxgraph import fsdp
+from models import assert_equal_or_close, devices_for
 
 
 @pytest.fixture(scope="module")
 def mesh():
-  return fsdp.make_mesh()
+  """A mesh over 8 devices; the fixtures built on it run with its first device as JAX's
+  default device, as the `devices`-marked tests themselves do (tests/conftest.py)."""
+  devices = devices_for(8)[:8]
+  with jax.default_device(devices[0]):
+    yield fsdp.make_mesh(devices=devices)
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +51,13 @@ def _count(hlo: str, op: str) -> int:
   return len(re.findall(rf"\b{op}(-start)?\(", hlo))
 
 
+@pytest.mark.devices(8)
 def test_make_mesh_has_one_auto_axis(mesh):
   assert mesh.axis_names == ("fsdp",)
   assert mesh.axis_types == (AxisType.Auto,)
   assert mesh.devices.size == 8
-  assert fsdp.make_mesh("data", jax.devices()[:4]).shape == {"data": 4}
+  assert list(fsdp.make_mesh().devices.flat) == jax.devices()   # the default: every device
+  assert fsdp.make_mesh("data", list(mesh.devices.flat)[:4]).shape == {"data": 4}
   with pytest.raises(ValueError, match="no devices"):
     fsdp.make_mesh(devices=[])
 
@@ -67,6 +78,7 @@ def test_partition_spec_replicates_small_and_indivisible_leaves():
   assert fsdp.partition_spec((4, 4096), 8) == P(None, "fsdp")
 
 
+@pytest.mark.devices(8)
 def test_shard_places_every_leaf(mesh, one_layer):
   params, _ = one_layer
   specs = fsdp.shardings(params, mesh)
@@ -79,6 +91,7 @@ def test_shard_places_every_leaf(mesh, one_layer):
     fsdp.shard(params, mesh, "model")
 
 
+@pytest.mark.devices(8)
 def test_gather_uses_the_mesh_set_by_set_mesh(mesh, one_layer):
   params, _ = one_layer
   with pytest.raises(ValueError, match="jax.set_mesh"):
@@ -92,6 +105,7 @@ def test_gather_uses_the_mesh_set_by_set_mesh(mesh, one_layer):
     assert np.array_equal(v, params[k]), k
 
 
+@pytest.mark.devices(8)
 def test_graphed_fsdp_training_matches_unsharded_and_whole_step_jit(mesh):
   losses, params, graphed = fsdp_worker.train_graphed(mesh)
   plain_losses, plain_params, _ = fsdp_worker.train_graphed(None)
@@ -103,14 +117,15 @@ def test_graphed_fsdp_training_matches_unsharded_and_whole_step_jit(mesh):
   for p, q in zip(params, plain_params):
     for k in p:
       np.testing.assert_allclose(p[k], q[k], rtol=1e-5, atol=1e-6, err_msg=k)
-  # The whole-step jit runs the same sharded ops and collectives per layer: bitwise equal.
-  assert np.array_equal(losses, jit_losses)
-  for p, q in zip(params, jit_params):
-    for k in p:
-      assert np.array_equal(p[k], q[k]), k
+  # The whole-step jit runs the same sharded ops and collectives per layer: bitwise equal
+  # on CPU. On GPUs one whole-step executable may fuse across layers and round differently.
+  assert_equal_or_close((losses, params), (jit_losses, jit_params), gpu_rtol=1e-4,
+                        gpu_atol=1e-6, why="whole-step jax.jit vs per-layer executables, "
+                        "3 Adam steps: XLA fuses across layer boundaries in the whole step")
   assert [g.stats.captures for g in graphed] == [1, 0, 0]     # no recapture across steps
 
 
+@pytest.mark.devices(8)
 def test_identical_fsdp_layers_compile_once(mesh):
   host_params, x, _ = fsdp_worker.host_data(4)
   params = fsdp.shard(host_params, mesh)
@@ -124,6 +139,7 @@ def test_identical_fsdp_layers_compile_once(mesh):
   assert sum(s.compiles for s in stats) == 2
 
 
+@pytest.mark.devices(8)
 def test_layer_hlo_gathers_weights_and_reduces_grads(graphed_layer):
   (entry,) = graphed_layer._entries.values()
   forward = entry.forward["explicit", True].as_text()
@@ -135,6 +151,7 @@ def test_layer_hlo_gathers_weights_and_reduces_grads(graphed_layer):
           or (_count(backward, "all-reduce") >= 1 and _count(backward, "dynamic-slice") >= 1))
 
 
+@pytest.mark.devices(8)
 def test_grads_come_back_with_the_weights_sharding(graphed_layer, one_layer):
   params, x = one_layer
   y, pullback = graphed_layer.vjp(params, x)
@@ -150,6 +167,7 @@ def test_grads_come_back_with_the_weights_sharding(graphed_layer, one_layer):
   np.testing.assert_allclose(g_x, ref_gx, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.devices(8)
 def test_delayed_wgrad_keeps_the_weights_sharding(mesh, one_layer, graphed_layer):
   params, x = one_layer
   split = jg.make_graphed(fsdp_worker.fsdp_block(mesh), sample_args=one_layer,
@@ -169,6 +187,7 @@ def test_delayed_wgrad_keeps_the_weights_sharding(mesh, one_layer, graphed_layer
     assert np.array_equal(g, full_grads[k]), k
 
 
+@pytest.mark.devices(8)
 def test_residuals_hold_no_gathered_weights(mesh, one_layer, graphed_layer):
   params, x = one_layer
   batch = fsdp.batch_sharding(mesh)
@@ -202,6 +221,7 @@ def test_residuals_hold_no_gathered_weights(mesh, one_layer, graphed_layer):
     assert np.array_equal(a, b)
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("on_new_signature", ["error", "capture"])
 def test_replay_with_another_sharding(mesh, one_layer, on_new_signature):
   params, x = one_layer

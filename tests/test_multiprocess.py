@@ -18,6 +18,7 @@ import pytest
 
 import fsdp_worker
 from jaxgraph import fsdp
+from models import devices_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(fsdp_worker.__file__).resolve()
@@ -57,6 +58,7 @@ def _run_workers(tmp_path: pathlib.Path) -> list[dict[str, np.ndarray]]:
   return [dict(np.load(out)) for out in outs]
 
 
+@pytest.mark.devices(8, platform="cpu")  # the in-process reference: the workers' platform
 def test_two_processes_train_fsdp_over_all_devices(tmp_path):
   results = _run_workers(tmp_path)
   for r in results:
@@ -71,7 +73,8 @@ def test_two_processes_train_fsdp_over_all_devices(tmp_path):
     # Both processes hold the same global values (the losses are replicated arrays, the
     # params were gathered with process_allgather).
     assert np.array_equal(first[name], second[name]), name
-  losses, params, _ = fsdp_worker.train_graphed(fsdp.make_mesh())
+  mesh = fsdp.make_mesh(devices=devices_for(8, "cpu")[:8])
+  losses, params, _ = fsdp_worker.train_graphed(mesh)
   # Same partitioned program on 8 devices in one process; the cross-process all-reduce runs
   # through gloo instead of the in-process CPU collectives and may sum in another order.
   np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
