@@ -75,8 +75,8 @@ PRESETS = {
                   microbatches=2, steps=250, learning_rate=3e-3, dropout=0.1, eval_every=50,
                   eval_batches=4, checkpoint_every=100),
     "gpu": Preset(context=512, width=768, depth=12, heads=12, kv_heads=4, hidden=2048,
-                  batch=16, microbatches=2, steps=600, learning_rate=6e-4, dropout=0.1,
-                  eval_every=100, eval_batches=8, checkpoint_every=300, attention="cudnn",
+                  batch=16, microbatches=2, steps=300, learning_rate=6e-4, dropout=0.1,
+                  eval_every=100, eval_batches=8, checkpoint_every=150, attention="cudnn",
                   check=True),
 }
 
@@ -468,6 +468,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       name: value for name, value in (("dropout", args.dropout),
                                        ("microbatches", args.microbatches),
                                        ("attention", args.attention)) if value is not None})
+  if preset.attention == "cudnn" and args.dtype != "bfloat16":
+    sys.exit("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
+             "--attention xla")
   check = preset.check if args.check is None else args.check
   total = args.steps or preset.steps
   stop = min(total, args.stop_after or total)
