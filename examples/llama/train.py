@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from tqdm import tqdm
 
 import jaxgraph as jg
 
@@ -42,6 +41,29 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # examples
 from common import (CORPUS, Checkpoints, Corpus, Streams, params_digest, plot,  # noqa: E402
                     stream_keys, stream_positions)
 from model import Cache, Config, Llama  # noqa: E402
+
+try:
+  from tqdm import tqdm
+except ImportError:  # tqdm is optional (the "examples" extra): then the log lines only
+
+  class tqdm:  # noqa: N801 (tqdm's name)
+    """The part of tqdm's interface used here, without a bar."""
+
+    def __init__(self, iterable: Any, **_: Any):
+      self._iterable = iterable
+
+    def __iter__(self) -> Any:
+      return iter(self._iterable)
+
+    def set_postfix(self, **_: Any) -> None:
+      pass
+
+    def write(self, line: str) -> None:
+      print(line, flush=True)
+
+    def close(self) -> None:
+      pass
+
 
 Params = list[nnx.State]  # one state per part: embedding, blocks..., head
 Layer = Any  # a jg.GraphedCallable, or a PlainLayer with --plain-ends
