@@ -1,7 +1,7 @@
 """Train the Llama-style model of model.py with every decoder block graphed, then generate.
 
   PYTHONPATH=. python examples/llama/train.py --preset cpu    # 1.5 min of CPU time, 2 cores
-  PYTHONPATH=. python examples/llama/train.py --preset tiny   # seconds (what CI runs)
+  PYTHONPATH=. python examples/llama/train.py --preset tiny   # 12 steps, mostly compiling (CI)
   PYTHONPATH=. python examples/llama/train.py --preset gpu    # one GPU; also times one
                                                               # whole-step jax.jit of the model
   ... --stop-after 40, then the same command with --resume    # bitwise the uninterrupted run
