@@ -29,7 +29,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import hashlib
 import json
 import pathlib
 import shutil
@@ -41,14 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-import jaxgraph.rng
-
-CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
+from common import (CORPUS, Checkpoints, Corpus, Streams, params_digest, plot, stream_keys,
+                    stream_positions)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
@@ -151,29 +148,6 @@ class GPT(nnx.Module):
     return self.head.logits(x)
 
 
-# ------------------------------------------------------------------------------------ data
-
-
-class Corpus:
-  """The text as character ids; batch `step` is a function of (seed, step) only."""
-
-  def __init__(self, path: pathlib.Path, context: int, batch: int, seed: int):
-    text = path.read_text(encoding="ascii")
-    self.chars = sorted(set(text))
-    self.index = {c: i for i, c in enumerate(self.chars)}
-    self.ids = np.array([self.index[c] for c in text], np.int32)
-    self.context, self.batch, self.seed = context, batch, seed
-
-  def batch_at(self, step: int) -> tuple[jax.Array, jax.Array]:
-    starts = np.random.default_rng([self.seed, step]).integers(
-        0, len(self.ids) - self.context - 1, self.batch)
-    window = np.stack([self.ids[s:s + self.context + 1] for s in starts])
-    return jnp.asarray(window[:, :-1]), jnp.asarray(window[:, 1:])
-
-  def decode(self, ids: Any) -> str:
-    return "".join(self.chars[int(i)] for i in ids)
-
-
 # ----------------------------------------------------------------------------------- hooks
 
 
@@ -268,54 +242,6 @@ def make_whole_step(layers: Sequence[jg.GraphedCallable], tx: optax.GradientTran
   return step
 
 
-Streams = list[tuple[jax.Array, int]]
-
-
-def stream_positions(layers: Sequence[jg.GraphedCallable]) -> Streams:
-  """Each layer's key stream: (base key, keys drawn so far)."""
-  return [(layer.rng_base_key, layer.rng_counter) for layer in layers]
-
-
-def stream_keys(streams: Streams, step_offset: int) -> list[jax.Array]:
-  """The keys the layers' own streams draw `step_offset` steps after `streams` (one per step)."""
-  return [jaxgraph.rng.stream_key(i, counter + step_offset, base)
-          for i, (base, counter) in enumerate(streams)]
-
-
-class Checkpoints:
-  """Orbax checkpoints of the params, the optimizer state and each layer's stream position."""
-
-  def __init__(self, directory: pathlib.Path):
-    self.directory = directory.absolute()
-    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, enable_async_checkpointing=False))
-
-  @staticmethod
-  def _tree(params: Params, opt_state: Any, streams: Streams) -> dict[str, Any]:
-    return {"params": params, "opt_state": opt_state,
-            "streams": [{"key": jax.random.key_data(base),
-                         "counter": np.asarray(counter, np.uint32)} for base, counter in streams]}
-
-  def save(self, step: int, params: Params, opt_state: Any,
-           layers: Sequence[jg.GraphedCallable]) -> None:
-    self.manager.save(step, args=ocp.args.StandardSave(
-        self._tree(params, opt_state, stream_positions(layers))))
-
-  def restore(self, params: Params, opt_state: Any, layers: Sequence[jg.GraphedCallable]
-              ) -> tuple[int, Params, Any] | None:
-    """Restores the latest checkpoint into the layers' streams; None if there is none.
-
-    `params` and `opt_state` give the structure (the values are replaced)."""
-    step = self.manager.latest_step()
-    if step is None:
-      return None
-    target = self._tree(params, opt_state, stream_positions(layers))
-    restored = self.manager.restore(step, args=ocp.args.StandardRestore(target))
-    for layer, stream in zip(layers, restored["streams"]):
-      layer.seed(jax.random.wrap_key_data(stream["key"]), counter=int(stream["counter"]))
-    return step, restored["params"], restored["opt_state"]
-
-
 def compare_with_whole_step(layers: Sequence[jg.GraphedCallable], tx: optax.GradientTransformation,
                             start: tuple[Params, Any, Streams], corpus: Corpus,
                             steps: range, losses: list[float], params: Params) -> dict[str, Any]:
@@ -348,30 +274,6 @@ def compare_with_whole_step(layers: Sequence[jg.GraphedCallable], tx: optax.Grad
       "whole_step_tokens_per_second": round(
           len(steps) * corpus.batch * corpus.context / seconds, 1),
   }
-
-
-def params_digest(params: Params) -> str:
-  digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(params):
-    digest.update(np.asarray(leaf).tobytes())
-  return digest.hexdigest()
-
-
-def plot(losses: list[float], path: pathlib.Path, title: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  steps = np.arange(1, len(losses) + 1)
-  window = max(1, len(losses) // 25)
-  smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-  fig, ax = plt.subplots(figsize=(7, 4))
-  ax.plot(steps, losses, alpha=0.35, label="loss")
-  ax.plot(steps[window - 1:], smooth, label=f"mean of {window}")
-  ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title=title)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
 
 
 def sample(model: GPT, params: Params, corpus: Corpus, chars: int, seed: int) -> str:
