@@ -42,6 +42,9 @@ if CUDA:
   _flags.append("--xla_gpu_deterministic_ops=true")
   # JAX_PLATFORMS stays unset: jax starts the GPU and, next to it, the CPU backend with its
   # virtual devices (for `devices`-marked tests).
+  # Tests start subprocesses (examples, workers) that need the GPU too: no process may
+  # reserve most of its memory up front.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 else:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _given = os.environ.get("XLA_FLAGS", "")
