@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxgraph as jg
 import jaxgraph.flax as jgf
 from jaxgraph import flat, fsdp
-from models import counting, init_mlp, mlp, reference_stack, trees_equal
+from models import counting, devices_for, init_mlp, mlp, reference_stack, trees_equal
 
 D, H, T, DEPTH, STEPS = 16, 32, 8, 4, 3
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -260,7 +260,7 @@ def _fsdp_data(layers: int, w2_dtype: Any = np.float32):
                b1=np.full((128,), 0.1, np.float32),
                w2=(rng.standard_normal((128, 32)) / 128 ** 0.5).astype(w2_dtype),
                s=np.zeros((3,), np.float32)) for _ in range(layers)]
-  mesh = fsdp.make_mesh()
+  mesh = fsdp.make_mesh(devices=devices_for(8)[:8])
   x, t = jax.device_put(tuple(rng.standard_normal((2, 32, 32)).astype(np.float32)),
                         fsdp.batch_sharding(mesh))
   return mesh, host, x, t
@@ -290,6 +290,7 @@ def _train_fsdp(mesh, params, layer_fn, x, t):
   return np.asarray(losses), params, layers
 
 
+@pytest.mark.devices(8)
 def test_fsdp_flat_buffers_train_like_the_pytree_fsdp_path_bitwise():
   mesh, host, x, t = _fsdp_data(2)
   batch = fsdp.batch_sharding(mesh)
@@ -325,6 +326,7 @@ def test_fsdp_flat_buffers_train_like_the_pytree_fsdp_path_bitwise():
   assert not [o for o in kept if o.shape in weight_shapes and o.sharding.is_fully_replicated]
 
 
+@pytest.mark.devices(8)
 def test_fsdp_flat_mixed_dtypes_gather_one_buffer_per_dtype():
   mesh, host, x, _ = _fsdp_data(1, BF16)
   batch = fsdp.batch_sharding(mesh)
