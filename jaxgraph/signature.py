@@ -26,7 +26,8 @@ class Signature(NamedTuple):
   leaves: tuple[LeafSpec, ...]
 
 
-_default_shardings: set[Sharding] = set()
+# default device (None: JAX's first device) -> the shardings that mean "no placement"
+_default_shardings: dict[Any, frozenset[Sharding]] = {}
 _canonical: dict[Sharding, Sharding] = {}
 
 
@@ -41,14 +42,25 @@ def _canonicalize(sharding: Sharding) -> Sharding:
   return sharding
 
 
+def _default_device(setting: Any) -> jax.Device:
+  """The device of JAX's `jax_default_device` setting: a device, a platform name, or None."""
+  if isinstance(setting, str):
+    return jax.devices(setting)[0]
+  return setting if setting is not None else jax.devices()[0]
+
+
 def _sharding_key(sharding: Sharding | None) -> Sharding | None:
   if sharding is None:
     return None
-  if not _default_shardings:
-    device = jax.devices()[0]
-    _default_shardings.update(
+  # The default device is the one of `jax.default_device(...)` where that is set: arrays
+  # made under it are placed there, as an unplaced leaf would be.
+  setting = jax.config.jax_default_device
+  defaults = _default_shardings.get(setting)
+  if defaults is None:
+    device = _default_device(setting)
+    defaults = _default_shardings[setting] = frozenset(
         {SingleDeviceSharding(device), SingleDeviceSharding(device, memory_kind="device")})
-  if sharding in _default_shardings:
+  if sharding in defaults:
     return None
   canonical = _canonical.get(sharding)
   if canonical is None:

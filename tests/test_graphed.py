@@ -405,3 +405,21 @@ def test_sequential_vjp_consts_must_be_a_tuple():
                                                          causal_mask(T))], rng=True)
   with pytest.raises(TypeError, match=r"consts= a tuple .* got ArrayImpl; for one argument"):
     jg.sequential_vjp(layers, [params], x, consts=causal_mask(T))
+
+
+@pytest.mark.devices(8)
+def test_arrays_on_the_default_device_are_unplaced_under_jax_default_device():
+  """Params made under `jax.default_device(d)` sit on d like unplaced arrays: next to inputs
+  sharded over a mesh holding d they are one signature, and the capture compiles (on a GPU
+  machine the CPU-device tests run this way; it failed there before)."""
+  devices = devices_for(8)[:8]
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=devices)
+  sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  with jax.default_device(devices[3]):
+    params = init_mlp(jax.random.key(0), D, H)
+    x = jax.device_put(jnp.ones((T, D)), sharded)
+    g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0,
+                        on_new_signature="error")
+    assert trees_equal(g(params, x), jax.jit(mlp)(params, x))
+  assert g.stats.captures == 1
