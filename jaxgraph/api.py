@@ -105,6 +105,13 @@ def _materialize(leaf: Any) -> Any:
   return leaf
 
 
+def _fresh(args: tuple[Any, ...], donate_argnums: tuple[int, ...]) -> tuple[Any, ...]:
+  """`args` with copies of the donated arguments: a warmup forward consumes those, and
+  must not consume the caller's sample arrays (or the next iteration's data)."""
+  return tuple(jax.tree.map(jnp.copy, arg) if argnum in donate_argnums else arg
+               for argnum, arg in enumerate(args))
+
+
 def _abstract_tree(tree: Any) -> Any:
   return jax.tree.map(lambda leaf: sig_lib.abstract(sig_lib.leaf_spec(leaf)), tree)
 
@@ -160,10 +167,11 @@ def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
 def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
             samples: Sequence[Sequence[tuple[Any, ...]]], plan: schedule_lib.Plan,
             sizes: Sequence[int], iterations: int, *, rng: bool, delay_wgrad: bool,
-            inference_only: bool) -> None:
+            inference_only: bool, donate_argnums: tuple[int, ...]) -> None:
   """Warmup phase: replays the order of `plan` exactly (without `order`: all forwards, then
   all backwards in reverse; `inference_only`: the outputs-only forwards alone); a wgrad
-  without its own order entry runs right after its backward. Results are discarded."""
+  without its own order entry runs right after its backward. Results are discarded; each
+  forward gets fresh copies of the `donate_argnums` arguments."""
   materialized: dict[int, Any] = {}  # one-per-layer sample_args repeat across microbatches
   data = [[materialized.setdefault(id(args), jax.tree.map(_materialize, args)) for args in row]
           for row in samples]
@@ -175,6 +183,8 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
     for kind, i, m in _steps(plan, sizes, inference_only=inference_only):
       layer, args = layers[i], data[i][m]
       if kind == "forward":
+        if donate_argnums:
+          args = _fresh(args, donate_argnums)
         leaves, treedef = jax.tree.flatten(args)
         pending[i, m] = layer._forward(args, leaves, treedef, None, phase="warmup",
                                        iteration=iteration, microbatch=m,
@@ -208,6 +218,35 @@ def _check_inference_only(inference_only: bool, *, delay_wgrad: bool,
         f"{' and '.join(conflicts)}, or drop inference_only to train.")
 
 
+def _check_donate_argnums(donate_argnums: Sequence[int], samples: Sequence[tuple[Any, ...]],
+                          *, inference_only: bool) -> tuple[int, ...]:
+  if not isinstance(donate_argnums, Sequence) or isinstance(donate_argnums, (str, bytes)):
+    raise TypeError(f"donate_argnums must be a sequence of ints, e.g. (2,), got "
+                    f"{donate_argnums!r}.")
+  argnums = tuple(donate_argnums)
+  if not argnums:
+    return argnums
+  if not inference_only:
+    raise ValueError(
+        f"make_graphed got donate_argnums={argnums} without inference_only=True: a training "
+        "forward's inputs are needed again by its backward, so they cannot be donated. Pass "
+        "inference_only=True (a decode step), or drop donate_argnums.")
+  bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
+  if bad:
+    raise TypeError(f"donate_argnums must hold ints (positional argument indices), got "
+                    f"{bad[0]!r} in {argnums}.")
+  if len(set(argnums)) != len(argnums):
+    raise ValueError(f"donate_argnums={argnums} lists an argument more than once; list each "
+                     "donated positional argument once.")
+  for i, args in enumerate(samples):
+    outside = [a for a in argnums if not 0 <= a < len(args)]
+    if outside:
+      raise ValueError(
+          f"donate_argnums={argnums} has {outside[0]}, but sample_args[{i}] has "
+          f"{len(args)} positional arguments: each index must be in range(0, {len(args)}).")
+  return argnums
+
+
 def make_graphed(
     fns: Callable[..., Any] | Sequence[Callable[..., Any]],
     hooks: hooks_lib.Hooks | Sequence[hooks_lib.Hooks | None] | None = None,
@@ -227,6 +266,7 @@ def make_graphed(
     on_new_signature: graphed_lib.OnNewSignature = "capture",
     remat_policy: Callable[..., bool] | None = None,
     inference_only: bool = False,
+    donate_argnums: Sequence[int] = (),
 ) -> graphed_lib.GraphedCallable | tuple[graphed_lib.GraphedCallable, ...]:
   """Captures per-layer functions into ahead-of-time compiled forward/backward executables.
 
@@ -287,13 +327,23 @@ def make_graphed(
       captured later (`max_captures`) are forward-only too. Not combinable with
       `delay_wgrad`, `offload_residuals`, `order` or `remat_policy`, which concern the
       backward.
+    donate_argnums: with `inference_only=True`, the positional arguments donated to the
+      forward, as `jax.jit(fn, donate_argnums=...)`: XLA may write an output into a donated
+      buffer (a KV cache updated in place instead of copied), and after a call those input
+      arrays are deleted; pass the returned ones next time. A FlatTree argument donates its
+      buffers; an explicit `key=` is never donated. A buffer XLA finds no same-shaped output
+      for is not donated (it stays alive), silently (capture filters jax's "Some donated
+      buffers were not usable" warning; jax 0.10.2 on CPU emits none). Warmup runs on copies of these arguments, so arrays given as
+      `sample_args` stay alive. The `jax.jit` fallback after `max_captures` donates the same
+      arguments; inside a user's `jax.jit` the function just runs (donate there).
 
   Returns:
     One `GraphedCallable` for a single callable, else a tuple of them.
 
   Raises:
     ValueError: for `inference_only=True` with `delay_wgrad`, `offload_residuals` or
-      `order`, and for other invalid arguments (each error names the argument).
+      `order`, for `donate_argnums` without `inference_only=True`, out of range or
+      repeated, and for other invalid arguments (each error names the argument).
   """
   fn_list, single = _as_callables(fns)
   count = len(fn_list)
@@ -346,6 +396,7 @@ def make_graphed(
   offload = _per_callable_flags(offload_residuals, count, "offload_residuals")
   _check_inference_only(inference_only, delay_wgrad=delay_wgrad, order=order,
                         offload=any(offload), remat_policy=remat_policy)
+  donate_argnums = _check_donate_argnums(donate_argnums, samples, inference_only=inference_only)
   if any(offload):
     offload_lib.check_backend_supports_offload()
   replay_hooks = hooks_lib.per_callable(hooks, count, "hooks")
@@ -354,7 +405,8 @@ def make_graphed(
   config = graphed_lib.Config(rng=seed is not None, delay_wgrad=delay_wgrad,
                               wgrad_argnums=wgrad_argnums, max_captures=max_captures,
                               on_new_signature=on_new_signature,
-                              inference_only=inference_only, remat_policy=remat_policy)
+                              inference_only=inference_only, remat_policy=remat_policy,
+                              donate_argnums=donate_argnums)
   layers = [graphed_lib.GraphedCallable(fn, i, config, hooks=replay_hooks[i],
                                         capture_time_hooks=capture_hooks[i], offload=offload[i])
             for i, fn in enumerate(fn_list)]
@@ -366,7 +418,8 @@ def make_graphed(
     if pre_warmup_hook is not None:
       pre_warmup_hook()
     _warmup(layers, per_microbatch, plan, sizes, num_warmup_iters, rng=config.rng,
-            delay_wgrad=delay_wgrad, inference_only=inference_only)
+            delay_wgrad=delay_wgrad, inference_only=inference_only,
+            donate_argnums=donate_argnums)
     if post_warmup_hook is not None:
       post_warmup_hook()
   return layers[0] if single else tuple(layers)

@@ -132,6 +132,7 @@ class Executables:
   compiles: int
   compile_seconds: float
   residual_bytes: int               # what one forward keeps for its backward (kept, packed)
+  donated: tuple[int, ...] = ()     # argument leaves the outputs-only forwards donate
 
 
 def _is_inexact(dtype: Any) -> bool:
@@ -146,7 +147,8 @@ class _Timer:
   def compile(self, traced: Any) -> Any:
     start = time.perf_counter()
     with warnings.catch_warnings():
-      # Residual donation is best effort: XLA may find no output to reuse a buffer for.
+      # Donation (of residuals; of inference inputs, `donate_argnums`) is best effort: XLA
+      # may find no output to reuse a buffer for, and that buffer then stays alive.
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
       compiled = traced.lower().compile()
     self.seconds += time.perf_counter() - start
@@ -303,6 +305,14 @@ def _forward_specs(signature: sig_lib.Signature, layout: Layout,
   return [rng_lib.key_spec(), counter, counter] * layout.n_keys + arg_specs
 
 
+def _donated_positions(donated: Sequence[int], layout: Layout,
+                       kind: ForwardKind) -> tuple[int, ...]:
+  """The positions of the donated argument leaves among a forward's inputs: the stream
+  forward's start after `(base, index, counter)` per key."""
+  shift = 3 * layout.n_keys if kind == "stream" else 0
+  return tuple(shift + i for i in donated)
+
+
 def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Callable[..., Any]:
   a, b, c = len(layout.needed_inputs), len(layout.needed_outputs), layout.n_kept
   ct_leaves = set(layout.ct_leaves)
@@ -385,12 +395,14 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
 
 
 def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
-                      name: str) -> Executables:
+                      name: str, donated: Sequence[int] = ()) -> Executables:
   """Traces `fn` once, forward only, and compiles the one executable a plain call replays.
 
   That is the outputs-only forward: the stream forward with keys (`n_keys > 0`; it still
   returns the next counters), else the plain one. No residuals, no backward; the
   explicit-key forward compiles on first use (`forward_executable(..., residuals=False)`).
+  Both donate the argument leaves `donated` (as `jax.jit(..., donate_argnums=...)`); a
+  buffer XLA finds no output to reuse for is not donated, without a warning.
   """
   timer = _Timer()
   start = time.perf_counter()
@@ -398,12 +410,15 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
   first: ForwardKind = "stream" if n_keys else "explicit"
+  donated = tuple(donated)
   fwd = _forward_fn(closed, layout, first, outputs_only=True, offload=False)
   forward = {(first, False): timer.compile(
-      jax.jit(fwd).trace(*_forward_specs(signature, layout, first)))}
+      jax.jit(fwd, donate_argnums=_donated_positions(donated, layout, first))
+      .trace(*_forward_specs(signature, layout, first)))}
   return Executables(signature=signature, layout=layout, forward=forward, backward={},
                      closed_jaxpr=closed, offload=False, compiles=timer.compiles,
-                     compile_seconds=timer.seconds + trace_seconds, residual_bytes=0)
+                     compile_seconds=timer.seconds + trace_seconds, residual_bytes=0,
+                     donated=donated)
 
 
 def _warn_constant_keys(closed: Any, name: str) -> None:
@@ -420,7 +435,8 @@ def forward_executable(entry: Executables, kind: ForwardKind, *,
                        residuals: bool) -> tuple[Any, float]:
   """A forward of `entry` (compiled on first use); returns it and the seconds compiled now.
 
-  `residuals=False` is the inference forward: outputs only, nothing kept for a backward.
+  `residuals=False` is the inference forward: outputs only, nothing kept for a backward;
+  it donates the argument leaves `entry.donated`, as the forward captured first does.
   """
   compiled = entry.forward.get((kind, residuals))
   if compiled is not None:
@@ -428,7 +444,8 @@ def forward_executable(entry: Executables, kind: ForwardKind, *,
   timer = _Timer()
   fwd = _forward_fn(entry.closed_jaxpr, entry.layout, kind, outputs_only=not residuals,
                     offload=entry.offload and residuals)
-  compiled = timer.compile(jax.jit(fwd).trace(*_forward_specs(entry.signature, entry.layout,
-                                                               kind)))
+  donate = () if residuals else _donated_positions(entry.donated, entry.layout, kind)
+  compiled = timer.compile(jax.jit(fwd, donate_argnums=donate).trace(
+      *_forward_specs(entry.signature, entry.layout, kind)))
   entry.forward[kind, residuals] = compiled
   return compiled, timer.seconds

@@ -59,6 +59,7 @@ class Config:
   on_new_signature: OnNewSignature
   inference_only: bool = False  # forward-only capture: no residuals, no backward
   remat_policy: Callable[..., bool] | None = None
+  donate_argnums: tuple[int, ...] = ()  # inference only: positional args the forward donates
   # (function, signature, offload) -> executables, shared by identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
   # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
@@ -74,6 +75,12 @@ def _arg_ranges(treedef: Any) -> tuple[tuple[Any, int, int], ...]:
     ranges.append((child, start, start + child.num_leaves))
     start += child.num_leaves
   return tuple(ranges)
+
+
+def _donated_leaves(treedef: Any, argnums: tuple[int, ...]) -> tuple[int, ...]:
+  """The argument leaves of the positional arguments `argnums` (a FlatTree: its buffers)."""
+  return tuple(leaf for argnum, (_, lo, hi) in enumerate(_arg_ranges(treedef))
+               if argnum in argnums for leaf in range(lo, hi))
 
 
 def _backward_plan(config: Config, signature: sig_lib.Signature
@@ -373,7 +380,8 @@ class GraphedCallable:
             "with new signatures now run through jax.jit (no hooks are lost, but each new "
             "signature compiles). Raise max_captures, or keep argument shapes fixed.",
             stacklevel=4)
-        self._fallback = jax.jit(flat_lib.unravelling(self.fn))
+        self._fallback = jax.jit(flat_lib.unravelling(self.fn),
+                                 donate_argnums=config.donate_argnums)
       return None
     return self._capture(signature)
 
@@ -385,8 +393,9 @@ class GraphedCallable:
       if entry is None:
         try:
           if config.inference_only:
-            entry = capture_lib.capture_inference(self.fn, signature, n_keys=self._n_keys,
-                                                  name=self.name)
+            entry = capture_lib.capture_inference(
+                self.fn, signature, n_keys=self._n_keys, name=self.name,
+                donated=_donated_leaves(signature.treedef, config.donate_argnums))
           else:
             entry = capture_lib.capture(
                 self.fn, signature, n_keys=self._n_keys,
@@ -452,8 +461,16 @@ class GraphedCallable:
     if seconds:
       self._compiles += 1
       self._compile_seconds += seconds
-    with jax.profiler.TraceAnnotation(self._trace_names[0]):
-      values = (exe(*self._stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
+    try:
+      with jax.profiler.TraceAnnotation(self._trace_names[0]):
+        values = (exe(*self._stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
+    except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
+      if entry.donated and any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+        raise RuntimeError(
+            f"{self.name} got an array that was deleted or donated, e.g. a cache donated "
+            "to an earlier call (make_graphed(..., donate_argnums=...)). Pass the arrays "
+            "that call returned instead.") from e
+      raise
     if stream_mode:
       # outputs and kept residuals, then one derived key and one next counter per key
       n = len(values) - 2 * layout.n_keys

@@ -8,6 +8,7 @@
   ... --check           # the same steps under one whole-step jax.jit, compared
   ... --plain-ends      # embedding and head under plain jax.jit instead of graphed
   ... --untied --dropout 0 --microbatches 4 --dtype float32
+  ... --flat            # each part's params as flat buffers (jg.flat): fewer leaves per call
 
 Training: fp32 master params and bf16 compute inside each layer; Optax AdamW without decay on
 the norms, global-norm clipping, a warmup-cosine schedule; gradient accumulation over
@@ -15,7 +16,8 @@ microbatches; a held-out loss every `eval_every` steps through a forward-only
 (`inference_only=True`) capture of the layers; Orbax checkpoints holding each layer's key-stream
 position; a tqdm bar; `loss.png` (train and held-out) and `metrics.json` in `--out`. Then
 generation with a KV cache: a prefill and a one-token decode, two signatures, each captured
-once, and the decode loop asserted not to compile. docs/llama.md walks through it.
+once, the blocks donating their cache (updated in place, not copied), and the decode loop
+asserted not to compile. docs/llama.md walks through it.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ except ImportError:  # tqdm is optional (the "examples" extra): then the log lin
       pass
 
 
-Params = list[nnx.State]  # one state per part: embedding, blocks..., head
+Params = list[Any]  # one nnx.State per part (embedding, blocks..., head); FlatTrees with --flat
 Layer = Any  # a jg.GraphedCallable, or a PlainLayer with --plain-ends
 
 
@@ -110,7 +112,7 @@ class PlainLayer:
   """An end layer (embedding, head) under plain `jax.jit`, called like a GraphedCallable."""
 
   def __init__(self, fn: Callable[..., Any]):
-    self._jitted = jax.jit(fn)
+    self._jitted = jax.jit(jg.flat.unravelling(fn))  # takes FlatTree params too (--flat)
 
   def __call__(self, *args: Any) -> Any:
     return self._jitted(*args)
@@ -129,12 +131,22 @@ def split(model: Llama) -> tuple[list[Callable[..., Any]], Params]:
 
 
 def build_layers(fns: Sequence[Callable[..., Any]], sample_args: Sequence[tuple[Any, ...]], *,
-                 graph_ends: bool, **options: Any) -> list[Layer]:
-  """One `make_graphed` call over the blocks, and over the embedding and head unless plain."""
-  if graph_ends:
+                 graph_ends: bool, block_options: dict[str, Any] | None = None,
+                 **options: Any) -> list[Layer]:
+  """One `make_graphed` call over the blocks, and over the embedding and head unless plain.
+
+  `block_options` (the decode's `donate_argnums`: only blocks take a cache) apply to the
+  blocks alone, which then get a `make_graphed` call of their own (and the ends another).
+  """
+  if graph_ends and not block_options:
     return list(jg.make_graphed(list(fns), sample_args=list(sample_args), **options))
-  blocks = jg.make_graphed(list(fns[1:-1]), sample_args=list(sample_args[1:-1]), **options)
-  return [PlainLayer(fns[0]), *blocks, PlainLayer(fns[-1])]
+  blocks = jg.make_graphed(list(fns[1:-1]), sample_args=list(sample_args[1:-1]), **options,
+                           **(block_options or {}))
+  if not graph_ends:
+    return [PlainLayer(fns[0]), *blocks, PlainLayer(fns[-1])]
+  embed, head = jg.make_graphed([fns[0], fns[-1]], sample_args=[sample_args[0], sample_args[-1]],
+                                **options)
+  return [embed, *blocks, head]
 
 
 def graphed(layers: Sequence[Layer]) -> list[jg.GraphedCallable]:
@@ -142,8 +154,9 @@ def graphed(layers: Sequence[Layer]) -> list[jg.GraphedCallable]:
 
 
 def tied_table(params: Params, config: Config) -> tuple[jax.Array, ...]:
-  """The head's extra input: the embedding table when the embeddings are tied."""
-  return (params[0]["embedding"][...],) if config.tie_embeddings else ()
+  """The head's extra input: the embedding table when the embeddings are tied (with
+  --flat, a slice of the embedding's buffer)."""
+  return (jg.flat.unravel(params[0])["embedding"][...],) if config.tie_embeddings else ()
 
 
 # ------------------------------------------------------------------------------- training
@@ -156,8 +169,8 @@ def accumulate(total: Grads, grads: Params, table_grad: jax.Array | None,
   """Adds one microbatch's grads and loss; `table_grad` is the tied head's share of the
   embedding table's grad (None when it is already in `grads[0]`)."""
   if table_grad is not None:
-    # The embedding's only param is its table.
-    grads = [jax.tree.map(lambda g: g + table_grad, grads[0]), *grads[1:]]
+    # The embedding's only param is its table (with --flat, the one buffer holding it).
+    grads = [jax.tree.map(lambda g: g + table_grad.reshape(g.shape), grads[0]), *grads[1:]]
   return jax.tree.map(jnp.add, total, (grads, loss))
 
 
@@ -169,11 +182,22 @@ def apply_update(tx: optax.GradientTransformation, microbatches: int, total: Gra
   return optax.apply_updates(params, updates), opt_state, loss
 
 
-def decay_mask(params: Params) -> Params:
+def decays(path: tuple[Any, ...]) -> bool:
   """Weight decay on the matrices (kernels, the embedding table), not on the norm scales."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: any(getattr(k, "key", None) in ("kernel", "embedding") for k in path),
-      params)
+  return any(getattr(k, "key", None) in ("kernel", "embedding") for k in path)
+
+
+def decay_mask(params: Params) -> Params:
+  """`decays` per leaf of the params, or per buffer of FlatTree params (--flat)."""
+  if any(jg.flat.is_flat(p) for p in params):
+    return jg.flat.mask(params, lambda group: group == "decay")
+  return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
+
+
+def flat_group(path: tuple[Any, ...], leaf: jax.Array) -> str:
+  """--flat's buffers: "decay" and "no_decay" leaves apart, so that the AdamW mask is one
+  bool per buffer."""
+  return "decay" if decays(path) else "no_decay"
 
 
 def optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
@@ -196,7 +220,7 @@ class Trainer:
     # Compiled ahead like the layers, so the first step pays for no compile.
     self.zeros = zeros.lower(params).compile()
     total = jax.eval_shape(zeros, params)
-    table = (jax.ShapeDtypeStruct(params[0]["embedding"].shape, jnp.float32)
+    table = (jax.eval_shape(lambda: tied_table(params, config))[0]
              if config.tie_embeddings else None)
     self.accumulate = jax.jit(accumulate, donate_argnums=0).lower(
         total, total[0], table, total[1]).compile()
@@ -260,6 +284,7 @@ def make_whole_step(fns: Sequence[Callable[..., Any]], trainer: Trainer) -> Any:
   embed_fn, block_fns, head_fn = fns[0], fns[1:-1], fns[-1]
 
   def loss_fn(params, tokens, targets, positions, keys):
+    params = jg.flat.unravel(params)  # --flat: differentiated through the unravelling
     x = embed_fn(params[0], tokens)
     for fn, layer_params, key in zip(block_fns, params[1:-1], keys):
       x = fn(layer_params, x, positions, key=key)
@@ -391,8 +416,9 @@ def generate(prefill: Sequence[Layer], decode: Sequence[Layer], params: Params, 
              key: jax.Array) -> list[int]:
   """Prefills the KV caches with `prompt` (1, length), then decodes `new_tokens` one by one.
 
-  The caches go into every block call and come back updated. The decode loop must replay
-  without compiling: asserted on the decode layers' `stats`.
+  The caches go into every block call, donated, and come back updated (the list holds the
+  returned ones). The decode loop must replay without compiling: asserted on the decode
+  layers' `stats`.
   """
   table = tied_table(params, config)
   length = prompt.shape[1]
@@ -433,19 +459,22 @@ def write_sample(model: Llama, fns: Sequence[Callable[..., Any]], params: Params
   caches = model.init_cache(1, context)
   cache = jax.eval_shape(lambda: caches[0])
   begin = time.perf_counter()
+  # The blocks donate their cache (argument 3): XLA writes the new keys and values into it
+  # instead of copying every layer's whole cache per token.
+  donate = {"donate_argnums": (3,)}
   prefill = build_layers(fns, generation_args(params, config, cache, length),
-                         graph_ends=graph_ends, inference_only=True)
+                         graph_ends=graph_ends, inference_only=True, block_options=donate)
   decode = build_layers(fns, generation_args(params, config, cache, 1), graph_ends=graph_ends,
-                        inference_only=True)
+                        inference_only=True, block_options=donate)
   print(f"captured prefill ({length} tokens) and decode (1 token) in "
         f"{time.perf_counter() - begin:.1f} s")
   prompt = corpus.held_out_ids[:length]
   out = generate(prefill, decode, params, config, caches, jnp.asarray(prompt)[None],
                  new_tokens, temperature, jax.random.key(seed))
   block = decode[1].stats
-  print(f"decoded {new_tokens} tokens: {decode[1].name} compiled {block.compiles} executable "
-        f"at capture (the other blocks share it), replayed {block.replays} times, and "
-        "nothing compiled in the decode loop\n"
+  print(f"decoded {new_tokens} tokens, each block's cache donated: {decode[1].name} compiled "
+        f"{block.compiles} executable at capture (the other blocks share it), replayed "
+        f"{block.replays} times, and nothing compiled in the decode loop\n"
         f"prompt: {corpus.decode(prompt)!r}\ncontinuation: {corpus.decode(out)!r}")
   return {"prompt": corpus.decode(prompt), "continuation": corpus.decode(out),
           "decode_stats": {layer.name: layer.stats._asdict() for layer in graphed(decode)}}
@@ -468,6 +497,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--untied", action="store_true", help="a head matrix of its own")
   parser.add_argument("--dropout", type=float, help="residual dropout rate (default: preset)")
   parser.add_argument("--microbatches", type=int, help="per step (default: the preset's)")
+  parser.add_argument("--flat", action="store_true",
+                      help="each part's params as flat buffers (jg.flat.ravel), one per "
+                           "(decay group, dtype): fewer leaves per executable call")
   parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="compute dtype (params are float32 either way)")
   parser.add_argument("--attention", choices=("xla", "cudnn"),
@@ -512,6 +544,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print(f"{sum(x.size for x in jax.tree.leaves(params)):,} params ({len(params)} parts), "
         f"vocab {config.vocab}, {len(corpus.ids):,} training and "
         f"{len(corpus.held_out_ids):,} held-out characters")
+  if args.flat:  # from here on params, grads and the optimizer state are FlatTrees
+    params = [jg.flat.ravel(p, group=flat_group) for p in params]
+    print(f"params held flat: {len(jax.tree.leaves(params))} buffers for "
+          f"{sum(len(p.layout.slots) for p in params)} leaves")
 
   # Capture. Training: forward + backward, dropout keys from each layer's stream. Eval: a
   # forward-only copy of the same functions without keys (dropout off), for the same shapes.
