@@ -1,13 +1,15 @@
-"""What the training examples share: the corpus, key-stream positions, Orbax checkpoints
-that hold them, a params digest, the loss plot.
+"""What the training examples share: their run options, the corpus, key-stream positions,
+Orbax checkpoints that hold them, a params digest, the loss plot.
 
 Used by examples/train_gpt.py and examples/llama/train.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import pathlib
+import shutil
 from typing import Any, Sequence
 
 import jax
@@ -17,6 +19,17 @@ import orbax.checkpoint as ocp
 
 import jaxgraph as jg
 import jaxgraph.rng
+
+
+def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentParser:
+  """The options every training example takes: a preset, the steps, and stop / resume."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--preset", choices=sorted(presets), default="cpu")
+  parser.add_argument("--steps", type=int, help="total steps (default: the preset's)")
+  parser.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted")
+  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  return parser
+
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
 
@@ -72,6 +85,17 @@ def stream_keys(streams: Streams, offset: int) -> list[jax.Array]:
 
 class Checkpoints:
   """Orbax checkpoints of the params, the optimizer state and each layer's stream position."""
+
+  @classmethod
+  def for_run(cls, out: pathlib.Path, *, resume: bool) -> "Checkpoints":
+    """The checkpoints of a run writing to `out`; without `resume`, an earlier run's are
+    removed first (the run starts afresh)."""
+    directory = out / "checkpoints"
+    if not resume and directory.exists():
+      print(f"starting afresh: removing the checkpoints of an earlier run in {out} "
+            "(pass --resume to continue it)")
+      shutil.rmtree(directory)
+    return cls(directory)
 
   def __init__(self, directory: pathlib.Path):
     self.directory = directory.absolute()

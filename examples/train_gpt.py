@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import json
 import pathlib
-import shutil
 import sys
 import time
 from typing import Any, Sequence
@@ -44,8 +43,8 @@ from flax import nnx
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-from common import (CORPUS, Checkpoints, Corpus, Streams, params_digest, plot, stream_keys,
-                    stream_positions)
+from common import (CORPUS, Checkpoints, Corpus, Streams, params_digest, plot, run_parser,
+                    stream_keys, stream_positions)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
@@ -299,11 +298,7 @@ def progress(step: int, total: int, loss: float, tokens_per_second: float,
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-  parser.add_argument("--steps", type=int, help="total steps (default: the preset's)")
-  parser.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted")
-  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  parser = run_parser(__doc__.split("\n\n")[0], PRESETS)
   parser.add_argument("--check", action="store_true",
                       help="also run the same steps with one whole-step jax.jit and compare")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/gpt"))
@@ -358,11 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   # like params).
   update = make_update(tx).lower(params, opt_state, params).compile()
 
-  if not args.resume and (args.out / "checkpoints").exists():
-    print(f"starting afresh: removing the checkpoints of an earlier run in {args.out} "
-          "(pass --resume to continue it)")
-    shutil.rmtree(args.out / "checkpoints")
-  checkpoints = Checkpoints(args.out / "checkpoints")
+  checkpoints = Checkpoints.for_run(args.out, resume=args.resume)
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []
   restored = checkpoints.restore(params, opt_state, layers) if args.resume else None

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def counting(fn: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[[], int]]:
@@ -164,3 +165,14 @@ def assert_equal_or_close(a: Any, b: Any, *, gpu_rtol: float, gpu_atol: float = 
     np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                rtol=gpu_rtol, atol=gpu_atol,
                                err_msg=f"leaf {i} on {platform} (compared up to rounding: {why})")
+
+
+def optax_update(tx: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+  """A jitted `update(grads, opt_state, params) -> (params, opt_state)` of an optax `tx`."""
+
+  @jax.jit
+  def update(grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return update

@@ -137,17 +137,22 @@ def test_fault_in_the_compiler_leaves_no_half_built_entry(monkeypatch, exc, nth)
   assert g.stats.captures == 2
 
 
-@pytest.mark.parametrize("exc", FAULTS, ids=lambda e: e.__name__)
-def test_fault_compiling_the_inference_forward(monkeypatch, exc):
-  g = jg.make_graphed(layer, sample_args=(P, X), num_warmup_iters=0)
+def _fail_next_compile(monkeypatch, exc, where: str) -> None:
+  """Makes the next XLA compile raise `exc` (the `Trigger`'s), later ones succeed."""
   real = jax.stages.Lowered.compile
   trigger = Trigger(exc)
 
   def flaky(self, *args, **kwargs):
-    trigger("inference compile")
+    trigger(where)
     return real(self, *args, **kwargs)
 
   monkeypatch.setattr(jax.stages.Lowered, "compile", flaky)
+
+
+@pytest.mark.parametrize("exc", FAULTS, ids=lambda e: e.__name__)
+def test_fault_compiling_the_inference_forward(monkeypatch, exc):
+  g = jg.make_graphed(layer, sample_args=(P, X), num_warmup_iters=0)
+  _fail_next_compile(monkeypatch, exc, "inference compile")
   before = snapshot(g)
   with pytest.raises(_caught(exc)):
     g(P, X)
@@ -160,14 +165,7 @@ def test_fault_compiling_the_inference_forward(monkeypatch, exc):
 @pytest.mark.parametrize("exc", FAULTS, ids=lambda e: e.__name__)
 def test_fault_in_an_inference_only_capture_leaves_no_half_built_entry(monkeypatch, exc):
   g = jg.make_graphed(layer, sample_args=(P, X), num_warmup_iters=0, inference_only=True)
-  real = jax.stages.Lowered.compile
-  trigger = Trigger(exc)
-
-  def flaky(self, *args, **kwargs):
-    trigger("inference-only compile")
-    return real(self, *args, **kwargs)
-
-  monkeypatch.setattr(jax.stages.Lowered, "compile", flaky)
+  _fail_next_compile(monkeypatch, exc, "inference-only compile")
   x3 = jnp.ones((3, 4))
   before = snapshot(g)
   with pytest.raises(_caught(exc)):

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 import jaxgraph as jg
 import jaxgraph.flax as jgf
 from jaxgraph import flat, fsdp
-from models import counting, devices_for, init_mlp, mlp, reference_stack, trees_equal
+from models import (counting, devices_for, init_mlp, mlp, optax_update, reference_stack,
+                    trees_equal)
 
 D, H, T, DEPTH, STEPS = 16, 32, 8, 4, 3
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -54,13 +55,6 @@ def _x() -> jax.Array:
 def _keys(step: int) -> list[jax.Array]:
   return [jax.random.fold_in(jax.random.key(10 + step), i) for i in range(DEPTH)]
 
-
-def _update(tx: optax.GradientTransformation):
-  @jax.jit
-  def update(grads, opt_state, params):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-  return update
 
 
 def test_ravel_splits_by_dtype_and_group_and_unravels():
@@ -109,7 +103,7 @@ def test_training_matches_pytree_path_and_jit_vjp_bitwise(optimizer, fuse):
   tree_layers = jg.make_graphed([mixed_dropout_mlp] * DEPTH,
                                 sample_args=[(p, x) for p in params], rng=True,
                                 num_warmup_iters=1)
-  update, flat_update = _update(tx), _update(flat_tx)
+  update, flat_update = optax_update(tx), optax_update(flat_tx)
   ref_params, opt_state, ref_state = params, tx.init(params), tx.init(params)
   flat_state = flat_tx.init(flat_params)
   for step in range(STEPS):
@@ -380,7 +374,7 @@ def test_nnx_block_through_flat_buffers_matches_the_state_path_bitwise():
   assert [l.stats.captures for l in flat_layers] == [1, 0]
   tx = optax.adamw(1e-2, mask=lambda ps: jax.tree.map(lambda leaf: leaf.ndim > 1, ps))
   flat_tx = optax.adamw(1e-2, mask=lambda ps: flat.mask(ps, lambda group: group == "decay"))
-  update, flat_update = _update(tx), _update(flat_tx)
+  update, flat_update = optax_update(tx), optax_update(flat_tx)
   states, opt_state, flat_state = list(states), tx.init(list(states)), flat_tx.init(flats)
   for step in range(STEPS):
     keys = _keys(step)[:2]

@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-from models import trees_equal
+from models import optax_update, trees_equal
 
 D, H, T, DEPTH, STEPS = 8, 16, 6, 3, 3
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -108,13 +108,6 @@ def _reference_losses(tx: optax.GradientTransformation) -> tuple[list[jax.Array]
   return losses, nnx.state(model, nnx.Param)
 
 
-def _optax_update(tx: optax.GradientTransformation):
-  @jax.jit
-  def update(grads, opt_state, params):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-  return update
-
 
 def test_nnx_blocks_train_like_nnx_bitwise():
   tx = optax.adamw(1e-2)
@@ -129,7 +122,7 @@ def test_nnx_blocks_train_like_nnx_bitwise():
     blocks = list(model.blocks)
     params = [jgf.nnx_layer(block)[1] for block in blocks]
     if optimizer == "optax":    # optax on the list of per-layer states, written back at the end
-      update, opt_state = _optax_update(tx), tx.init(params)
+      update, opt_state = optax_update(tx), tx.init(params)
     else:                       # one nnx.Optimizer of the whole model, fed joined grads
       nnx_optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     losses = []
@@ -276,7 +269,7 @@ def test_linen_blocks_train_like_linen_bitwise():
                            num_warmup_iters=1)
   assert layers[0].stats.captures == 1 and layers[2].stats.cache_hits == 1
   tx = optax.adamw(1e-2)
-  update = _optax_update(tx)
+  update = optax_update(tx)
   forward = jax.jit(lambda p, x, k: jax.vjp(
       lambda p, x: module.apply({"params": p}, x, train=True, rngs={"dropout": k}), p, x))
   backward = jax.jit(lambda vjp_fn, ct: vjp_fn(ct))

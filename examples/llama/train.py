@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import json
 import pathlib
-import shutil
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -41,7 +40,7 @@ import jaxgraph as jg
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # examples/common.py
 from common import (CORPUS, Checkpoints, Corpus, Streams, params_digest, plot,  # noqa: E402
-                    stream_keys, stream_positions)
+                    run_parser, stream_keys, stream_positions)
 from model import Cache, Config, Llama  # noqa: E402
 
 try:
@@ -484,11 +483,7 @@ def write_sample(model: Llama, fns: Sequence[Callable[..., Any]], params: Params
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-  parser.add_argument("--steps", type=int, help="total steps (default: the preset's)")
-  parser.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted")
-  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  parser = run_parser(__doc__.split("\n\n")[0], PRESETS)
   parser.add_argument("--check", action=argparse.BooleanOptionalAction,
                       help="also run the steps under one whole-step jax.jit and compare "
                            "(default: on for --preset gpu)")
@@ -574,11 +569,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   opt_state = tx.init(params)
   trainer = Trainer(train_layers, config, tx, preset.microbatches, params, opt_state)
 
-  if not args.resume and (args.out / "checkpoints").exists():
-    print(f"starting afresh: removing the checkpoints of an earlier run in {args.out} "
-          "(pass --resume to continue it)")
-    shutil.rmtree(args.out / "checkpoints")
-  checkpoints = Checkpoints(args.out / "checkpoints")
+  checkpoints = Checkpoints.for_run(args.out, resume=args.resume)
   metrics_path = args.out / "metrics.json"
   first, losses, eval_losses = 0, [], []
   restored = checkpoints.restore(params, opt_state, graphed(train_layers)) if args.resume else None
