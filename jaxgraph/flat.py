@@ -165,6 +165,11 @@ jax.tree_util.register_pytree_with_keys(FlatTree, _flatten_with_keys, _unflatten
 
 def _check_buffer(buffer: Any, spec: BufferSpec, layout: FlatLayout) -> None:
   shape, dtype = getattr(buffer, "shape", None), getattr(buffer, "dtype", None)
+  if dtype == jax.dtypes.float0:
+    raise ValueError(
+        f"buffer {spec.name!r} of {layout} is a float0 gradient: the gradient of an integer "
+        f"buffer ({spec.dtype}), as jax.vjp gives for integer inputs, has no values to "
+        "unravel. Unravel the params instead, or keep integer leaves out of the raveled tree.")
   if shape != (spec.length,) or dtype != spec.dtype:
     got = (f"{dtype}{list(shape)}" if shape is not None and dtype is not None
            else type(buffer).__name__)

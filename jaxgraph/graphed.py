@@ -181,6 +181,10 @@ class GraphedCallable:
   def __init__(self, fn: Callable[..., Any], index: int, config: Config, *,
                hooks: hooks_lib.Hooks, capture_time_hooks: hooks_lib.Hooks, offload: bool):
     self.fn = fn
+    # What runs outside the executables (traced calls, the jax.jit fallback): the same math
+    # as the captured executables, so under the same residual policy.
+    self._uncaptured_fn = (fn if config.remat_policy is None else
+                           jax.checkpoint(fn, policy=config.remat_policy, prevent_cse=False))
     self.index = index
     self.name = f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]"
     # Each replay shows up under these names in a jax.profiler trace (TensorBoard, Perfetto).
@@ -343,8 +347,8 @@ class GraphedCallable:
       if key is None:
         raise TypeError(f"{self.name} was called under a JAX transformation without key=; "
                         "its own stream lives outside traces, so pass key= explicitly.")
-      return self.fn(*args, key=key)
-    return self.fn(*args)
+      return self._uncaptured_fn(*args, key=key)
+    return self._uncaptured_fn(*args)
 
   def _vjp_traced(self, args: tuple[Any, ...], key: Any) -> Any:
     return jax.vjp(lambda *a: self._call_traced(a, key), *args)
@@ -380,7 +384,7 @@ class GraphedCallable:
             "with new signatures now run through jax.jit (no hooks are lost, but each new "
             "signature compiles). Raise max_captures, or keep argument shapes fixed.",
             stacklevel=4)
-        self._fallback = jax.jit(flat_lib.unravelling(self.fn),
+        self._fallback = jax.jit(flat_lib.unravelling(self._uncaptured_fn),
                                  donate_argnums=config.donate_argnums)
       return None
     return self._capture(signature)

@@ -20,10 +20,16 @@ class LeafSpec(NamedTuple):
 
 
 class Signature(NamedTuple):
-  """A pytree structure plus one `LeafSpec` per leaf. Hashable: it keys executable caches."""
+  """A pytree structure plus one `LeafSpec` per leaf. Hashable: it keys executable caches.
+
+  `default_device` is the device `jax.default_device(...)` named when the signature was
+  taken (None outside such a context): where the unplaced leaves (`sharding=None`) live, so
+  a capture under one default device is not replayed for arrays on another.
+  """
 
   treedef: Any
   leaves: tuple[LeafSpec, ...]
+  default_device: Any = None
 
 
 # default device (None: JAX's first device) -> the shardings that mean "no placement"
@@ -49,18 +55,20 @@ def _default_device(setting: Any) -> jax.Device:
   return setting if setting is not None else jax.devices()[0]
 
 
-def _sharding_key(sharding: Sharding | None) -> Sharding | None:
-  if sharding is None:
-    return None
-  # The default device is the one of `jax.default_device(...)` where that is set: arrays
-  # made under it are placed there, as an unplaced leaf would be.
-  setting = jax.config.jax_default_device
+def _unplaced(setting: Any) -> frozenset[Sharding]:
+  """The shardings that mean "no placement" under the `jax_default_device` setting: the
+  default device's. Arrays made under `jax.default_device(d)` sit on d, as an unplaced leaf
+  would."""
   defaults = _default_shardings.get(setting)
   if defaults is None:
     device = _default_device(setting)
     defaults = _default_shardings[setting] = frozenset(
         {SingleDeviceSharding(device), SingleDeviceSharding(device, memory_kind="device")})
-  if sharding in defaults:
+  return defaults
+
+
+def _sharding_key(sharding: Sharding | None, unplaced: frozenset[Sharding]) -> Sharding | None:
+  if sharding is None or sharding in unplaced:
     return None
   canonical = _canonical.get(sharding)
   if canonical is None:
@@ -74,10 +82,16 @@ def leaf_spec(leaf: Any) -> LeafSpec:
   Raises:
     TypeError: for anything that is not an array (strings, objects, ...).
   """
+  return _leaf_spec(leaf, _unplaced(jax.config.jax_default_device))
+
+
+def _leaf_spec(leaf: Any, unplaced: frozenset[Sharding]) -> LeafSpec:
   if isinstance(leaf, jax.Array):
-    return LeafSpec(leaf.shape, leaf.dtype, leaf.weak_type, _sharding_key(leaf.sharding))
+    return LeafSpec(leaf.shape, leaf.dtype, leaf.weak_type,
+                    _sharding_key(leaf.sharding, unplaced))
   if isinstance(leaf, jax.ShapeDtypeStruct):
-    return LeafSpec(leaf.shape, leaf.dtype, bool(leaf.weak_type), _sharding_key(leaf.sharding))
+    return LeafSpec(leaf.shape, leaf.dtype, bool(leaf.weak_type),
+                    _sharding_key(leaf.sharding, unplaced))
   try:
     aval = jax.typeof(leaf)
   except TypeError as e:
@@ -87,8 +101,11 @@ def leaf_spec(leaf: Any) -> LeafSpec:
 
 def signature_of(leaves: Sequence[Any], treedef: Any) -> Signature:
   """The signature of already-flattened leaves (`TypeError` names the first non-array leaf)."""
+  setting = jax.config.jax_default_device
+  unplaced = _unplaced(setting)
   try:
-    return Signature(treedef, tuple(map(leaf_spec, leaves)))
+    return Signature(treedef, tuple(_leaf_spec(leaf, unplaced) for leaf in leaves),
+                     None if setting is None else _default_device(setting))
   except TypeError:
     for path, leaf in zip(leaf_paths(treedef), leaves):
       try:
@@ -139,4 +156,7 @@ def describe_mismatch(expected: Signature, got: Signature, prefix: str = "args")
   lines = [f"{path}: expected {format_spec(e)}, got {format_spec(g)}"
            for path, e, g in zip(leaf_paths(got.treedef, prefix), expected.leaves, got.leaves)
            if e != g]
+  if expected.default_device != got.default_device:
+    lines.append(f"the default device (jax.default_device): expected "
+                 f"{expected.default_device}, got {got.default_device}")
   return "\n".join(lines)

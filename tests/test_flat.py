@@ -416,3 +416,13 @@ def test_inference_only_unravels_flat_params():
   layer = jg.make_graphed(mlp, sample_args=(flat_params, x), inference_only=True)
   assert trees_equal(layer(flat_params, x), jax.jit(mlp)(params, x))
   assert layer.stats.compiles == 1
+
+
+def test_unravelling_a_float0_gradient_buffer_says_why():
+  """An integer buffer's gradient is float0 (as jax.vjp gives): unravelling the gradient
+  tree names that, not a layout mismatch."""
+  tree = flat.ravel({"w": jnp.ones((3,)), "i": jnp.arange(2)})
+  _, vjp = jax.vjp(lambda t: t.unravel()["w"] * 2, tree)
+  (grads,) = vjp(jnp.ones((3,)))
+  with pytest.raises(ValueError, match="float0 gradient"):
+    grads.unravel()

@@ -423,3 +423,20 @@ def test_arrays_on_the_default_device_are_unplaced_under_jax_default_device():
                         on_new_signature="error")
     assert trees_equal(g(params, x), jax.jit(mlp)(params, x))
   assert g.stats.captures == 1
+
+
+@pytest.mark.devices(2)
+def test_a_capture_under_one_default_device_is_not_replayed_on_another():
+  """Unplaced arrays live on the default device: a signature taken under
+  `jax.default_device(d1)` does not serve arrays on d0 (they are captured anew, for d0)."""
+  d0, d1 = devices_for(2)[:2]
+  with jax.default_device(d1):
+    params = init_mlp(jax.random.key(0), D, H)
+    g = jg.make_graphed(mlp, sample_args=(params, jnp.ones((T, D))))
+  params0 = jax.device_put(params, d0)
+  y = g(params0, jax.device_put(jnp.ones((T, D)), d0))
+  assert y.devices() == {d0}
+  assert g.stats.captures == 2
+  with jax.default_device(d1):
+    assert g(params, jnp.ones((T, D))).devices() == {d1}
+  assert g.stats.captures == 2

@@ -151,3 +151,22 @@ def test_named_values_are_saved_under_the_policy():
     assert trees_equal((y, pullback(jnp.ones_like(y))),
                        (y_ref, jax.jit(lambda v, g: v(g))(vjp_ref, jnp.ones_like(y))))
   assert sizes[True] == sizes[False] + T * H * 4  # the named (T, H) float32 activation
+
+
+def test_fallback_and_traced_calls_run_under_the_policy():
+  """Past `max_captures` (jax.jit fallback) and inside a user's transformation the function
+  runs under the same policy as its executables: the same saved values, so the same bits."""
+  params = init_mlp(jax.random.key(0), D, H)
+  policy = residuals.recompute_elementwise
+  layer = jg.make_graphed(mlp, sample_args=(params, jnp.ones((T, D))), max_captures=1,
+                          remat_policy=policy)
+  reference = jax.jit(lambda p, x: jax.vjp(_checkpointed(mlp, policy), p, x))
+  x = jax.random.normal(jax.random.key(1), (T + 1, D))
+  with pytest.warns(UserWarning, match="max_captures"):
+    y, pullback = layer.vjp(params, x)
+  assert layer.stats.fallbacks == 1
+  y_ref, vjp_ref = reference(params, x)
+  assert trees_equal((y, pullback(jnp.ones_like(y))),
+                     (y_ref, jax.jit(lambda v, g: v(g))(vjp_ref, jnp.ones_like(y))))
+  traced = jax.jit(lambda p, x: jax.vjp(layer, p, x)[1](jnp.ones_like(x)))(params, x)
+  assert trees_equal(traced, jax.jit(lambda v, g: v(g))(vjp_ref, jnp.ones_like(y)))
