@@ -335,16 +335,17 @@ def make_graphed(
       for is not donated (it stays alive), silently (capture filters jax's "Some donated
       buffers were not usable" warning; the `jax.jit` fallback lets it through). Warmup
       runs on copies of these arguments, so arrays given as `sample_args` stay alive, and a
-      replay-time `forward` hook finds the donated arguments in `event.args` deleted. The `jax.jit` fallback after `max_captures` donates the same
-      arguments; inside a user's `jax.jit` the function just runs (donate there).
+      replay-time `forward` hook finds the donated arguments in `event.args` deleted. The
+      `jax.jit` fallback after `max_captures` donates the same arguments; inside a user's
+      `jax.jit` the function just runs (donate there).
 
   Returns:
     One `GraphedCallable` for a single callable, else a tuple of them.
 
   Raises:
     ValueError: for `inference_only=True` with `delay_wgrad`, `offload_residuals`,
-      `order` or `remat_policy`, for `donate_argnums` without `inference_only=True`, out of range or
-      repeated, and for other invalid arguments (each error names the argument).
+      `order` or `remat_policy`, for `donate_argnums` without `inference_only=True`, out
+      of range or repeated, and for other invalid arguments (each error names the argument).
   """
   fn_list, single = _as_callables(fns)
   count = len(fn_list)

@@ -250,13 +250,12 @@ def trace_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_k
   """Traces `fn` once as it is, not through `jax.vjp`: a forward that keeps nothing.
 
   The jaxpr maps `(*arg_leaves, *keys)` to the output leaves; FlatTrees among the arguments
-  reach `fn` unraveled. The layout has no residuals
-  and no differentiated leaves, so only outputs-only forwards are built from it; a function
-  `jax.vjp` cannot trace (a `lax.while_loop` of a decode step) traces here.
+  reach `fn` unraveled. The layout has no residuals and no differentiated leaves, so only
+  outputs-only forwards are built from it; a function `jax.vjp` cannot trace (a
+  `lax.while_loop` of a decode step) traces here.
   """
   n_args = len(signature.leaves)
   found: dict[str, Any] = {}
-
   expansion = flat_lib.expansion(signature.treedef)
 
   def forward(*flat):
@@ -404,21 +403,17 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   Both donate the argument leaves `donated` (as `jax.jit(..., donate_argnums=...)`); a
   buffer XLA finds no output to reuse for is not donated, without a warning.
   """
-  timer = _Timer()
   start = time.perf_counter()
   closed, layout = trace_inference(fn, signature, n_keys=n_keys, name=name)
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
-  first: ForwardKind = "stream" if n_keys else "explicit"
-  donated = tuple(donated)
-  fwd = _forward_fn(closed, layout, first, outputs_only=True, offload=False)
-  forward = {(first, False): timer.compile(
-      jax.jit(fwd, donate_argnums=_donated_positions(donated, layout, first))
-      .trace(*_forward_specs(signature, layout, first)))}
-  return Executables(signature=signature, layout=layout, forward=forward, backward={},
-                     closed_jaxpr=closed, offload=False, compiles=timer.compiles,
-                     compile_seconds=timer.seconds + trace_seconds, residual_bytes=0,
-                     donated=donated)
+  entry = Executables(signature=signature, layout=layout, forward={}, backward={},
+                      closed_jaxpr=closed, offload=False, compiles=0, compile_seconds=0.0,
+                      residual_bytes=0, donated=tuple(donated))
+  _, compile_seconds = forward_executable(entry, "stream" if n_keys else "explicit",
+                                          residuals=False)
+  entry.compiles, entry.compile_seconds = 1, trace_seconds + compile_seconds
+  return entry
 
 
 def _warn_constant_keys(closed: Any, name: str) -> None:
