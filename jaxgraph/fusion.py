@@ -87,8 +87,7 @@ class FusedSegment(graphed_lib.GraphedCallable):
     super().__init__(Chain(tuple(layer.fn for layer in layers)), first.index, first._config,
                      hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
                      offload=first._offload)
-    self.name = f"fused({first.name}..{layers[-1].name})"
-    self._trace_names = (f"jaxgraph {self.name} forward", f"jaxgraph {self.name} backward")
+    self._set_name(f"fused({first.name}..{layers[-1].name})")
 
   @property
   def _n_keys(self) -> int:

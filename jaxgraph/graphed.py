@@ -186,9 +186,7 @@ class GraphedCallable:
     self._uncaptured_fn = (fn if config.remat_policy is None else
                            jax.checkpoint(fn, policy=config.remat_policy, prevent_cse=False))
     self.index = index
-    self.name = f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]"
-    # Each replay shows up under these names in a jax.profiler trace (TensorBoard, Perfetto).
-    self._trace_names = (f"jaxgraph {self.name} forward", f"jaxgraph {self.name} backward")
+    self._set_name(f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]")
     self._config = config
     self._hooks = hooks
     self._capture_time_hooks = capture_time_hooks
@@ -203,6 +201,11 @@ class GraphedCallable:
     if config.rng:
       self._index_array = jnp.uint32(index)
       self.seed(jax.random.key(0))
+
+  def _set_name(self, name: str) -> None:
+    self.name = name
+    # Each replay shows up under these names in a jax.profiler trace (TensorBoard, Perfetto).
+    self._trace_names = (f"jaxgraph {name} forward", f"jaxgraph {name} backward")
 
   def __repr__(self) -> str:
     return f"GraphedCallable({self.name}, signatures={len(self._entries)})"
