@@ -10,34 +10,34 @@ writes `bench.json` and `bench.png` to `--out`.
   PYTHONPATH=. python3 benchmarks/bench.py --sizes small medium --out /tmp/bench
   PYTHONPATH=. python3 benchmarks/bench.py --tiny --out /tmp/bench   # tiny sizes, any backend
 
-Variants (step = forward + loss gradient + backward + SGD update):
+Variants (step = forward + loss gradient + backward + SGD update). A name is a base and any
+of the modifiers after it, in any order (`jaxgraph-fuse-flat-recompute`):
   jaxgraph            make_graphed([block] * L, rng=True) + sequential_vjp; keys from each
                       layer's own stream (folded in inside the forward executables)
   jaxgraph-keys       the same, with explicit keys (one executable splits them per step)
-  jaxgraph-hooks      the same as jaxgraph, with a no-op pre_forward and backward replay hook
-                      on every layer
-  jaxgraph-nodropout  rng=False, no dropout
-  jaxgraph-recompute[-nodropout], jaxgraph-fuse-recompute
-                      make_graphed(..., remat_policy=jaxgraph.residuals.recompute_elementwise):
-                      elementwise intermediates recomputed in the backward, not saved
-  jaxgraph-fuse       the same as jaxgraph with sequential_vjp(..., fuse=True): boundary fusion
-                      replays the hook-free stack as one forward and one backward executable
-  jaxgraph-flat       the same as jaxgraph with each layer's params raveled (jg.flat.ravel): one
-                      buffer per dtype in, one gradient buffer per dtype out
   jaxgraph-raw        jaxgraph's own executables called from a bare loop, no jaxgraph Python
                       (a diagnostic: the floor of per-layer replay; jaxgraph minus this is its
                       Python overhead)
   jaxgraph-raw-own    the same, with a loaded copy of the executables per layer (a diagnostic:
                       does it pay that each copy sees stable parameter addresses, for XLA's
                       command buffers, where 12 layers share one executable otherwise?)
-  jaxgraph-unpacked, jaxgraph-fuse-unpacked
-                      jaxgraph and jaxgraph-fuse with every kept residual travelling as its own
-                      array (a diagnostic: what packing small residuals saves)
   jit-unrolled        one jax.jit of the whole step, layers unrolled
-  jit-unrolled-nodropout
-                      the same without dropout (the reference of the -nodropout variants)
   jit-scan            one jax.jit of the whole step, layers in lax.scan
   torch-eager, torch-graphed (torch.cuda.make_graphed_callables), when torch sees a GPU
+Modifiers:
+  -nodropout          rng=False, no dropout (compared with jit-unrolled-nodropout)
+  -xla                XLA's own attention instead of cuDNN's (compared with jit-unrolled-xla)
+  -hooks              (jaxgraph) a no-op pre_forward and backward replay hook on every layer
+  -fuse               (jaxgraph) sequential_vjp(..., fuse=True): boundary fusion replays the
+                      hook-free stack as one forward and one backward executable
+  -flat               (jaxgraph) each layer's params raveled (jg.flat.ravel): one buffer per
+                      dtype in, one gradient buffer per dtype out
+  -recompute          (jaxgraph) remat_policy=jaxgraph.residuals.recompute_elementwise:
+                      elementwise intermediates recomputed in the backward, not saved
+  -unpacked           (jaxgraph, a diagnostic) every kept residual travels as its own array
+                      (what packing small residuals saves)
+  -shared             (jaxgraph) make_graphed(..., per_layer_executables=False): the layers
+                      replay one loaded executable, not a copy each (the default on GPU)
 """
 
 from __future__ import annotations
@@ -69,16 +69,49 @@ from jaxgraph import residuals  # noqa: E402
 
 JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
                 "jaxgraph-recompute", "jaxgraph-recompute-nodropout", "jaxgraph-fuse",
-                "jaxgraph-fuse-recompute", "jaxgraph-flat",
+                "jaxgraph-fuse-recompute", "jaxgraph-flat", "jaxgraph-fuse-flat",
                 "jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked",
                 "jaxgraph-fuse-unpacked", "jit-unrolled", "jit-unrolled-nodropout", "jit-scan")
-NO_DROPOUT = "-nodropout"  # compared with jit-unrolled-nodropout
 TORCH_VARIANTS = ("torch-eager", "torch-graphed")
-# Diagnostics: what jaxgraph does, with one piece changed; they get no probe of their own.
-DIAGNOSTICS = ("jaxgraph-raw", "jaxgraph-raw-own", "jaxgraph-unpacked", "jaxgraph-fuse-unpacked")
-UNPACKED = "-unpacked"  # residuals travel one array each (capture.PACK_MAX_BYTES = 0)
-FLAT = "jaxgraph-flat"  # jaxgraph on raveled params (jg.flat)
+BASES = ("jaxgraph", "jaxgraph-keys", "jaxgraph-raw", "jaxgraph-raw-own", "jit-unrolled",
+         "jit-scan")
+# The modifiers each base takes.
+MODIFIERS = {"jaxgraph": {"nodropout", "xla", "hooks", "fuse", "flat", "recompute", "unpacked",
+                          "shared"},
+             "jaxgraph-keys": {"xla"}, "jaxgraph-raw": {"xla"}, "jaxgraph-raw-own": {"xla"},
+             "jit-unrolled": {"nodropout", "xla"}, "jit-scan": {"nodropout", "xla"}}
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What a variant's name asks for: its base and modifiers."""
+
+  base: str
+  modifiers: frozenset[str]
+
+  @property
+  def diagnostic(self) -> bool:
+    """What jaxgraph does with one piece changed: no probe of its own."""
+    return self.base.startswith("jaxgraph-raw") or "unpacked" in self.modifiers
+
+  @property
+  def reference(self) -> str:
+    """The whole-step jit it is compared with: the same dropout and attention."""
+    return "-".join(["jit-unrolled", *sorted(self.modifiers & {"nodropout", "xla"})])
+
+
+def parse_variant(name: str) -> Spec:
+  """`jaxgraph-fuse-flat` -> Spec("jaxgraph", {"fuse", "flat"}); ValueError if unknown."""
+  for base in sorted(BASES, key=len, reverse=True):
+    if name == base or name.startswith(base + "-"):
+      modifiers = frozenset(name[len(base) + 1:].split("-")) - {""}
+      unknown = modifiers - MODIFIERS[base]
+      if unknown:
+        raise ValueError(f"{name}: {base} takes the modifiers {sorted(MODIFIERS[base])}, "
+                         f"not {sorted(unknown)}")
+      return Spec(base, modifiers)
+  raise ValueError(f"{name}: a JAX variant starts with one of {BASES}")
 
 
 @dataclasses.dataclass
@@ -104,46 +137,44 @@ def _noop(event: jg.HookEvent) -> None:
 def build(name: str, size: gpt.Size, attention: str | None, layers: int | None = None
           ) -> Variant:
   """Builds one variant from nothing (parameters, capture or compile, first step)."""
+  spec = parse_variant(name)
   count = layers or size.layers
-  block = gpt.make_block(size.heads, attention)
+  block = gpt.make_block(size.heads, "xla" if "xla" in spec.modifiers else attention)
   params = gpt.init_params(dataclasses.replace(size, layers=count))
-  if name == FLAT:
+  if "flat" in spec.modifiers:
     params = [jg.flat.ravel(p) for p in params]
   x0 = gpt.init_input(size)
   jax.block_until_ready((params, x0))
   start = time.perf_counter()
-  if name.startswith("jit-"):
-    variant = _build_jit(name, block, params, x0, count)
-  elif name.endswith(UNPACKED):
+  if spec.base.startswith("jit-"):
+    variant = _build_jit(spec, block, params, x0, count)
+  elif "unpacked" in spec.modifiers:
     pack_max_bytes, capture_lib.PACK_MAX_BYTES = capture_lib.PACK_MAX_BYTES, 0
     try:
-      variant = _build_jaxgraph(name.removesuffix(UNPACKED), block, params, x0, count)
+      variant = _build_jaxgraph(spec, block, params, x0, count)
     finally:
       capture_lib.PACK_MAX_BYTES = pack_max_bytes
-    variant.name = name
-  elif name == FLAT:
-    variant = _build_jaxgraph("jaxgraph", block, params, x0, count)
-    variant.name = name
   else:
-    variant = _build_jaxgraph(name, block, params, x0, count)
+    variant = _build_jaxgraph(spec, block, params, x0, count)
+  variant.name = name
   variant.state = variant.step(variant.state)
   jax.block_until_ready(variant.state)
   variant.capture_s = time.perf_counter() - start
   return variant
 
 
-def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0: jax.Array,
+def _build_jaxgraph(spec: Spec, block: Callable[..., Any], params: list[Any], x0: jax.Array,
                     count: int) -> Variant:
-  rng = not name.endswith(NO_DROPOUT)
   head = _compile(jax.grad(gpt.loss), x0)
   update = _compile(gpt.sgd, params, params, donate=(0,))
-  hooks = jg.Hooks(pre_forward=[_noop], backward=[_noop]) if name == "jaxgraph-hooks" else None
-  policy = residuals.recompute_elementwise if "-recompute" in name else None
+  hooks = jg.Hooks(pre_forward=[_noop], backward=[_noop]) if "hooks" in spec.modifiers else None
+  policy = residuals.recompute_elementwise if "recompute" in spec.modifiers else None
   layers = jg.make_graphed([block] * count, hooks, sample_args=[(p, x0) for p in params],
-                           rng=rng, remat_policy=policy)
-  if name.startswith("jaxgraph-raw"):
-    return _raw(name, layers, params, x0, head, update)
-  if name == "jaxgraph-keys":
+                           rng="nodropout" not in spec.modifiers, remat_policy=policy,
+                           per_layer_executables=False if "shared" in spec.modifiers else None)
+  if spec.base.startswith("jaxgraph-raw"):
+    return _raw(spec, layers, params, x0, head, update)
+  if spec.base == "jaxgraph-keys":
     base = jax.random.key(2)
     split = _compile(lambda s: (tuple(jax.random.split(jax.random.fold_in(base, s), count)),
                                 s + 1), jnp.int32(0))
@@ -155,17 +186,17 @@ def _build_jaxgraph(name: str, block: Callable[..., Any], params: list[Any], x0:
       grads, _ = pullback(head(y))
       return update(ps, grads), s
 
-    return Variant(name, keys_step, (params, jnp.int32(0)), 0.0, executables=2 * count + 3,
-                   layers=layers)
+    return Variant(spec.base, keys_step, (params, jnp.int32(0)), 0.0,
+                   executables=2 * count + 3, layers=layers)
 
-  fuse = name.startswith("jaxgraph-fuse")
+  fuse = "fuse" in spec.modifiers
 
   def step(ps: list[Any]) -> list[Any]:
     y, pullback = jg.sequential_vjp(layers, ps, x0, fuse=fuse)
     grads, _ = pullback(head(y))
     return update(ps, grads)
 
-  return Variant(name, step, params, 0.0, executables=4 if fuse else 2 * count + 2,
+  return Variant(spec.base, step, params, 0.0, executables=4 if fuse else 2 * count + 2,
                  layers=layers)
 
 
@@ -173,7 +204,7 @@ def _load_copy(compiled: Any) -> Any:
   return serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
 
 
-def _raw(name: str, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x0: jax.Array,
+def _raw(spec: Spec, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x0: jax.Array,
          head: Any, update: Any) -> Variant:
   """Replays the executables `layers` captured with no jaxgraph code in the loop."""
   [entry] = layers[0]._entries.values()  # one signature, shared by every layer
@@ -182,7 +213,7 @@ def _raw(name: str, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x
   assert select == tuple(range(layout.n_args)), "every argument leaf takes a gradient"
   forwards = [entry.forward["stream", True]] * len(layers)
   backwards = [backward] * len(layers)
-  if name == "jaxgraph-raw-own":
+  if spec.base == "jaxgraph-raw-own":
     forwards = [_load_copy(entry.forward["stream", True]) for _ in layers]
     backwards = [_load_copy(backward) for _ in layers]
   base = jax.random.key(0)
@@ -205,15 +236,15 @@ def _raw(name: str, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x
       grads[i] = jax.tree.unflatten(treedef, leaves)
     return update(ps, grads), next_counter
 
-  return Variant(name, step, (params, jnp.uint32(0)), 0.0,
+  return Variant(spec.base, step, (params, jnp.uint32(0)), 0.0,
                  executables=2 * len(layers) + 2, layers=layers)
 
 
-def _build_jit(name: str, block: Callable[..., Any], params: list[Any], x0: jax.Array,
+def _build_jit(spec: Spec, block: Callable[..., Any], params: list[Any], x0: jax.Array,
                count: int) -> Variant:
   base = jax.random.key(2)
-  dropout = not name.endswith(NO_DROPOUT)
-  if name == "jit-scan":
+  dropout = "nodropout" not in spec.modifiers
+  if spec.base == "jit-scan":
     params = jax.tree.map(lambda *a: jnp.stack(a), *params)
 
     def forward(ps: Any, keys: jax.Array) -> jax.Array:
@@ -231,7 +262,7 @@ def _build_jit(name: str, block: Callable[..., Any], params: list[Any], x0: jax.
     return gpt.sgd(ps, jax.grad(forward)(ps, keys)), s + 1
 
   compiled = _compile(train, params, jnp.int32(0), donate=(0,))
-  return Variant(name, lambda state: compiled(*state), (params, jnp.int32(0)), 0.0,
+  return Variant(spec.base, lambda state: compiled(*state), (params, jnp.int32(0)), 0.0,
                  executables=1)
 
 
@@ -370,7 +401,7 @@ def machine() -> dict[str, Any]:
 def print_table(records: list[dict[str, Any]], capture: dict[str, Any]) -> None:
   header = (f"{'size':7} {'variant':28} {'step ms':>8} {'spread':>7} {'x unrolled':>10} "
             f"{'capture s':>9} {'peak MiB':>9} {'host µs/exe':>11} {'exe/step':>8}")
-  print("x unrolled: over the whole-step jit with the same dropout (-nodropout rows: none)")
+  print("x unrolled: over the whole-step jit with the same dropout and attention")
   print(header)
   print("-" * len(header))
   for r in records:
@@ -445,11 +476,13 @@ def main() -> None:
     return
   if args.tiny:
     args.sizes, args.iters, args.reps = ["tiny"], min(args.iters, 3), min(args.reps, 3)
-  unknown = set(args.variants) - set(JAX_VARIANTS + TORCH_VARIANTS)
-  if unknown:
-    parser.error(f"unknown variants {sorted(unknown)}")
-  jax_names = [v for v in JAX_VARIANTS if v in args.variants]
-  torch_names = [v for v in TORCH_VARIANTS if v in args.variants]
+  jax_names = [v for v in args.variants if v not in TORCH_VARIANTS]
+  torch_names = [v for v in args.variants if v in TORCH_VARIANTS]
+  for name in jax_names:
+    try:
+      parse_variant(name)
+    except ValueError as e:
+      parser.error(str(e))
   # This process never touches the device: each measurement runs in a process of its own,
   # so that none of them finds the GPU's memory held by another.
   lines = _subprocess([os.path.abspath(__file__), "--timing", json.dumps(dict(
@@ -471,7 +504,7 @@ def main() -> None:
   capture = {}
   if not args.no_probes:
     for r in records:
-      if r["framework"] == "jax" and r["variant"] not in DIAGNOSTICS:
+      if r["framework"] == "jax" and not parse_variant(r["variant"]).diagnostic:
         # A fresh process per variant: no in-process compile caches, a clean memory peak.
         result = run_probe(dict(size=r["size"], variant=r["variant"], attention=attention))
         r["capture_s"] = result["capture_s"]
@@ -485,7 +518,8 @@ def main() -> None:
     r.setdefault("capture_s", r.get("capture_s_in_process", 0.0))
     r["step"] = _summary(r["step_ms"])
   for r in records:
-    reference = "jit-unrolled" + (NO_DROPOUT if r["variant"].endswith(NO_DROPOUT) else "")
+    reference = (parse_variant(r["variant"]).reference if r["framework"] == "jax"
+                 else "jit-unrolled")
     base = [b for b in records if b["size"] == r["size"] and b["variant"] == reference]
     if base:
       r["x_unrolled"] = r["step"]["median"] / base[0]["step"]["median"]

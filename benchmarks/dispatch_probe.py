@@ -9,6 +9,9 @@ PjRt keeps in flight, so the host never waits) and reports host µs per call, me
   layer-rotate   the layer forward over the 12 layers' parameters (as a step calls it)
   layer-own      the same, one loaded copy of the executable per layer
   layer-rotate with compiler options: command buffers off, FUSION only
+  backward-same, backward-rotate, backward-own
+                 the same three for the layer's backward executable (residuals from one
+                 forward per layer)
 
   PYTHONPATH=.:benchmarks python3 benchmarks/dispatch_probe.py --size small --out /tmp/probe
 """
@@ -74,11 +77,23 @@ def main() -> None:
   results["layer-rotate"] = host_us(rotate([forward] * len(leaves)), args.calls, args.reps)
   results["layer-own"] = host_us(rotate([bench._load_copy(forward) for _ in leaves]),
                                  args.calls, args.reps)
+  layout = entry.layout
+  backward, _ = entry.backward["full"]
+  saved = []
+  for i, layer_leaves in enumerate(leaves):  # what a step's pullback of layer i passes
+    *values, key, _ = forward(base, indices[i], counter, *layer_leaves)
+    outs, inputs = values[:layout.n_out], layer_leaves + [key]
+    saved.append([*(inputs[j] for j in layout.needed_inputs),
+                  *(outs[j] for j in layout.needed_outputs), *values[layout.n_out:], x])
+  n = len(saved)
+  results["backward-same"] = host_us(lambda i: backward(*saved[0]), args.calls, args.reps)
+  results["backward-rotate"] = host_us(lambda i: backward(*saved[i % n]), args.calls, args.reps)
+  own = [bench._load_copy(backward) for _ in saved]
+  results["backward-own"] = host_us(lambda i: own[i % n](*saved[i % n]), args.calls, args.reps)
   fwd = capture_lib._forward_fn(entry.closed_jaxpr, entry.layout, "stream", outputs_only=False,
                                 offload=False)
-  lowered = jax.jit(fwd).trace(*capture_lib._stream_prefix(),
-                               *(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-                                 for leaf in leaves[0])).lower()
+  lowered = jax.jit(fwd).trace(
+      *capture_lib._forward_specs(entry.signature, entry.layout, "stream")).lower()
   for label, options in (("cmdbuf-off", {"xla_gpu_enable_command_buffer": ""}),
                          ("cmdbuf-fusion", {"xla_gpu_enable_command_buffer": "FUSION"})):
     try:

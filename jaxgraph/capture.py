@@ -17,6 +17,7 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import serialize_executable
 
 from jaxgraph import flat as flat_lib
 from jaxgraph import offload as offload_lib
@@ -133,6 +134,9 @@ class Executables:
   compile_seconds: float
   residual_bytes: int               # what one forward keeps for its backward (kept, packed)
   donated: tuple[int, ...] = ()     # argument leaves the outputs-only forwards donate
+  # ids of the compiled executables above that a callable replays as they are; the other
+  # callables sharing this entry replay loaded copies (`loaded_copy`)
+  claimed: set[int] = dataclasses.field(default_factory=set)
 
 
 def _is_inexact(dtype: Any) -> bool:
@@ -414,6 +418,27 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
                                           residuals=False)
   entry.compiles, entry.compile_seconds = 1, trace_seconds + compile_seconds
   return entry
+
+
+def loaded_copy(compiled: Any) -> Any:
+  """A second loaded instance of `compiled` (the same binary; no compile), or `compiled`
+  itself where the backend cannot serialize it or it spans several devices.
+
+  XLA's GPU command buffers remember the buffer addresses they were recorded with, per
+  loaded executable, and re-record their kernel nodes when a call passes other buffers. One
+  executable replayed by 12 layers sees 12 sets of parameter buffers in turn and re-records
+  on every call; a copy per layer sees the same buffers step after step.
+  """
+  devices = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
+  if len(devices) != 1:
+    return compiled
+  try:
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                     backend=next(iter(devices)).client,
+                                                     execution_devices=list(devices))
+  except (ValueError, NotImplementedError, RuntimeError):  # not serializable here
+    return compiled
 
 
 def _warn_constant_keys(closed: Any, name: str) -> None:

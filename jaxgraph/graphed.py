@@ -60,6 +60,7 @@ class Config:
   inference_only: bool = False  # forward-only capture: no residuals, no backward
   remat_policy: Callable[..., bool] | None = None
   donate_argnums: tuple[int, ...] = ()  # inference only: positional args the forward donates
+  per_layer_executables: bool = False  # each callable replays its own loaded copy
   # (function, signature, offload) -> executables, shared by identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
   # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
@@ -193,6 +194,7 @@ class GraphedCallable:
     self._offload = offload
     self._entries: dict[sig_lib.Signature, capture_lib.Executables] = {}
     self._own: set[Any] = set()  # cache keys this callable captured (reset() drops them)
+    self._replayed: dict[Any, Any] = {}  # a shared executable -> the one this callable runs
     self._fallback: Callable[..., Any] | None = None
     self._busy = threading.Lock()
     self._captures = self._cache_hits = self._compiles = 0
@@ -243,6 +245,7 @@ class GraphedCallable:
       segment.reset()
     self._entries.clear()
     self._own.clear()
+    self._replayed.clear()
     self._fallback = None
 
   def _count_replay(self, *, backward: bool) -> None:
@@ -445,6 +448,21 @@ class GraphedCallable:
       hooks_lib.fire(post, "forward", dataclasses.replace(event, outputs=result[0]), self.name)
     return result
 
+  def _local(self, entry: capture_lib.Executables, exe: Any) -> Any:
+    """The executable this callable replays for `exe` of `entry`: `exe` itself, or with
+    `per_layer_executables` a loaded copy of its own where another callable replays `exe`."""
+    local = self._replayed.get(exe)
+    if local is None:
+      local = exe
+      if self._config.per_layer_executables:
+        with self._config.lock:
+          if id(exe) in entry.claimed:
+            local = capture_lib.loaded_copy(exe)
+          else:
+            entry.claimed.add(id(exe))
+      self._replayed[exe] = local
+    return local
+
   @property
   def _n_keys(self) -> int:
     return 1 if self._config.rng else 0
@@ -468,6 +486,7 @@ class GraphedCallable:
     if seconds:
       self._compiles += 1
       self._compile_seconds += seconds
+    exe = self._local(entry, exe)
     try:
       with jax.profiler.TraceAnnotation(self._trace_names[0]):
         values = (exe(*self._stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
@@ -495,7 +514,7 @@ class GraphedCallable:
     owner = self
 
     def run(kind: capture_lib.BackwardKind, cts: list[Any]) -> list[Any]:
-      exe, _ = entry.backward[kind]
+      exe = owner._local(entry, entry.backward[kind][0])
       try:
         with jax.profiler.TraceAnnotation(owner._trace_names[1]):
           return exe(*needed_inputs, *needed_outputs, *kept, *cts)

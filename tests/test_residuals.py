@@ -78,14 +78,19 @@ def test_stream_keys_pair_forward_and_backward_under_policy():
 _ITEMSIZE = {"f32": 4, "bf16": 2, "bool": 1, "u32": 4, "i32": 4}
 
 
-def _kept_bytes(fn, *args):
-  """Bytes of what `jax.vjp(fn)` saves besides its arguments: jax's own account, as
-  `print_saved_residuals` prints it (`f32[8,64] output of ...`)."""
+def _saved_text(fn, *args):
+  """What `jax.vjp(fn)` saves, as `print_saved_residuals` prints it (`f32[8,64] output of
+  ...`, one line each)."""
   text = io.StringIO()
   with contextlib.redirect_stdout(text):
     ad_checkpoint.print_saved_residuals(fn, *args)
+  return text.getvalue()
+
+
+def _kept_bytes(fn, *args):
+  """Bytes of what `jax.vjp(fn)` saves besides its arguments: jax's own account."""
   total = 0
-  for line in text.getvalue().splitlines():
+  for line in _saved_text(fn, *args).splitlines():
     match = re.match(r"(\w+)\[([\d,]*)\] (.*)", line)
     assert match, line
     dtype, shape, source = match.groups()
@@ -131,7 +136,11 @@ def test_policy_must_be_callable():
 
 
 def test_named_values_are_saved_under_the_policy():
-  """`checkpoint_name` keeps an elementwise value the policy would otherwise recompute."""
+  """`checkpoint_name` keeps an elementwise value the policy would otherwise recompute.
+
+  The bytes are compared with jax's own account of the same checkpointed function, not with
+  a count written here: which unnamed values jax saves differs between versions (jax 0.11
+  saves more of this block than 0.10 without the name)."""
 
   def block(p, x, *, name):
     h = jnp.tanh(x @ p["w1"] + p["b1"])
@@ -139,18 +148,17 @@ def test_named_values_are_saved_under_the_policy():
 
   params = init_mlp(jax.random.key(0), D, H)
   x = jnp.ones((T, D))
-  sizes = {}
   for name in (False, True):
     layer = jg.make_graphed(functools.partial(block, name=name), sample_args=(params, x),
                             remat_policy=residuals.recompute_elementwise)
-    sizes[name] = layer.stats.residual_bytes
     y, pullback = layer.vjp(params, x)
     reference = _checkpointed(functools.partial(block, name=name),
                               residuals.recompute_elementwise)
     y_ref, vjp_ref = jax.jit(lambda p, x: jax.vjp(reference, p, x))(params, x)
     assert trees_equal((y, pullback(jnp.ones_like(y))),
                        (y_ref, jax.jit(lambda v, g: v(g))(vjp_ref, jnp.ones_like(y))))
-  assert sizes[True] == sizes[False] + T * H * 4  # the named (T, H) float32 activation
+    assert layer.stats.residual_bytes == _kept_bytes(reference, params, x)
+    assert ("named 'activation'" in _saved_text(reference, params, x)) == name
 
 
 def test_fallback_and_traced_calls_run_under_the_policy():

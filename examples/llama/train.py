@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -349,26 +350,59 @@ def compare_with_whole_step(fns: Sequence[Callable[..., Any]], trainer: Trainer,
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
-  # Timed like the graphed loop: batches made inside it, losses read at the end.
+  # The keys are drawn before the loop (the graphed layers draw theirs on the device).
+  step_inputs = [inputs(offset) for offset in range(len(steps))]
   check_losses = []
-  begin = time.perf_counter()
-  for offset in range(len(steps)):
-    check_params, check_state, loss, total = whole_step(check_params, check_state,
-                                                        *inputs(offset))
+  for offset, step_input in enumerate(step_inputs):
+    check_params, check_state, loss, total = whole_step(check_params, check_state, *step_input)
     check_losses.append(loss)
     if offset == 0:
       whole_first = total
   check_losses = [float(loss) for loss in check_losses]
-  seconds = time.perf_counter() - begin
   return {
       "first_step_loss_diff": abs(float(first_grads[1]) - float(whole_first[1])),
       "first_step_max_grad_diff": max_diff(first_grads[0], whole_first[0]),
       "max_loss_diff": max(abs(a - b) for a, b in zip(losses, check_losses)),
       "last_max_param_diff": max_diff(params, check_params),
       "whole_step_compile_seconds": round(compile_seconds, 3),
-      "whole_step_tokens_per_second": round(
-          len(steps) * microbatches * corpus.batch * corpus.context / seconds, 1),
+      "throughput": throughput_rounds(trainer, whole_step, params, check_state, corpus,
+                                      positions, step_inputs[0][3]),
   }
+
+
+def throughput_rounds(trainer: Trainer, whole_step: Any, params: Params, opt_state: Any,
+                      corpus: Corpus, positions: jax.Array, keys: Any, *, rounds: int = 3,
+                      steps: int = 10) -> dict[str, list[float]]:
+  """Tokens/s of the graphed step and of the whole-step jit, timed alternately: `rounds`
+  rounds of `steps` steps each, from copies of `params` and `opt_state` (the results are
+  dropped). Batches are made inside the timed loop for both, as in training."""
+  microbatches = trainer.microbatches
+  tokens_per_step = microbatches * corpus.batch * corpus.context
+  rates: dict[str, list[float]] = {"graphed": [], "whole_step": []}
+
+  def graphed_step(state: tuple[Params, Any], step: int) -> tuple[Params, Any]:
+    new_params, new_state, _ = trainer.step(*state, step_batches(corpus, step, microbatches),
+                                            positions)
+    return new_params, new_state
+
+  def whole(state: tuple[Params, Any], step: int) -> tuple[Params, Any]:
+    batches = step_batches(corpus, step, microbatches)
+    new_params, new_state, _, _ = whole_step(
+        *state, jnp.stack([t for t, _ in batches]), jnp.stack([t for _, t in batches]),
+        positions, keys)
+    return new_params, new_state
+
+  for index in range(rounds):
+    order = [("graphed", graphed_step), ("whole_step", whole)]
+    for name, run in (order if index % 2 == 0 else order[::-1]):
+      state = (jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state))
+      state = jax.block_until_ready(run(state, 0))  # not timed: one step to settle
+      begin = time.perf_counter()
+      for step in range(1, steps + 1):
+        state = run(state, step)
+      jax.block_until_ready(state)
+      rates[name].append(round(steps * tokens_per_step / (time.perf_counter() - begin), 1))
+  return rates
 
 
 def report_check(found: dict[str, Any], graphed_rate: float, compute_dtype: Any,
@@ -389,9 +423,13 @@ def report_check(found: dict[str, Any], graphed_rate: float, compute_dtype: Any,
            "and its fused kernels sum some products in another order (last-bit differences)")
     print(f"  Not bitwise: the whole step fuses across layer boundaries, {why}. See "
           "docs/llama.md.")
-  whole_rate = found["whole_step_tokens_per_second"]
-  print(f"tokens/s: graphed {graphed_rate:,.0f}, whole-step jax.jit {whole_rate:,.0f}, "
-        f"ratio graphed/whole-step {graphed_rate / whole_rate:.3f}")
+  rates = found["throughput"]
+  graphed, whole = (statistics.median(rates[k]) for k in ("graphed", "whole_step"))
+  spread = lambda k: 100 * (max(rates[k]) - min(rates[k])) / statistics.median(rates[k])
+  print(f"tokens/s, {len(rates['graphed'])} alternating rounds (median, spread): graphed "
+        f"{graphed:,.0f} ({spread('graphed'):.0f}%), whole-step jax.jit {whole:,.0f} "
+        f"({spread('whole_step'):.0f}%), graphed/whole-step {graphed / whole:.3f} "
+        f"(the training loop above: {graphed_rate:,.0f} graphed)")
 
 
 # ----------------------------------------------------------------------------- generation

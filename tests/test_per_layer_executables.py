@@ -1,0 +1,96 @@
+"""make_graphed(..., per_layer_executables=True): one compile, a loaded copy per layer."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxgraph as jg
+from jaxgraph import capture as capture_lib
+from jaxgraph import rng as rng_lib
+from models import counting, devices_for, dropout_mlp, init_mlp, reference_stack, trees_equal
+
+D, H, T, DEPTH = 8, 32, 4, 4
+
+
+def _stack(per_layer_executables, **kwargs):
+  layer, traces = counting(dropout_mlp)
+  params = [init_mlp(k, D, H) for k in jax.random.split(jax.random.key(0), DEPTH)]
+  x = jnp.ones((T, D))
+  layers = jg.make_graphed([layer] * DEPTH, sample_args=[(p, x) for p in params], rng=True,
+                           num_warmup_iters=1, per_layer_executables=per_layer_executables,
+                           **kwargs)
+  return layers, params, x, traces
+
+
+def _replayed(layers):
+  """The executables each layer has replayed, one list per layer."""
+  return [list(layer._replayed.values()) for layer in layers]
+
+
+@pytest.mark.parametrize("delay_wgrad", [False, True])
+def test_each_layer_replays_its_own_copy_of_one_compile_bitwise(delay_wgrad):
+  layers, params, x, traces = _stack(True, delay_wgrad=delay_wgrad)
+  shared, _, _, _ = _stack(False, delay_wgrad=delay_wgrad)
+  compiles = [layer.stats.compiles for layer in layers]
+  for step in range(3):
+    counters = [layer.rng_counter for layer in layers]
+    y, pullback = jg.sequential_vjp(layers, params, x)
+    y_shared, pullback_shared = jg.sequential_vjp(shared, params, x)
+    ct = y / y.size
+    grads, g_x = pullback(ct)
+    grads_shared, g_x_shared = pullback_shared(ct)
+    if delay_wgrad:
+      grads, grads_shared = pullback.wgrad(), pullback_shared.wgrad()
+    keys = [rng_lib.stream_key(i, c, layer.rng_base_key)
+            for i, (layer, c) in enumerate(zip(layers, counters))]
+    y_ref, grads_ref, g_x_ref = reference_stack([dropout_mlp] * DEPTH, params, x, ct, keys)
+    assert trees_equal((y, grads, g_x), (y_ref, grads_ref, g_x_ref)), step
+    assert trees_equal((y, grads, g_x), (y_shared, grads_shared, g_x_shared)), step
+    params = [jax.tree.map(lambda p, g: p - 0.01 * g, p, g) for p, g in zip(params, grads)]
+  # One trace and one set of compiles, for the first layer; no compile on replay.
+  assert traces() == 1
+  assert compiles[0] > 0 and compiles[1:] == [0] * (DEPTH - 1)
+  assert [layer.stats.compiles for layer in layers] == compiles
+  # Every layer runs executables of its own: the compiled ones are run by the layer that
+  # ran them first, loaded copies by the others.
+  replayed = _replayed(layers)
+  assert len({id(exe) for exes in replayed for exe in exes}) == sum(map(len, replayed))
+  (entry,) = layers[0]._entries.values()
+  originals = {id(exe) for exe, _ in entry.backward.values()} | {
+      id(exe) for exe in entry.forward.values()}
+  assert sum(id(exe) in originals for exes in replayed for exe in exes) == len(replayed[0])
+  # Shared: every layer runs the same executables.
+  assert all(exes == _replayed(shared)[0] for exes in _replayed(shared))
+
+
+def test_default_follows_the_backend():
+  layers, params, x, _ = _stack(None)
+  jg.sequential_vjp(layers, params, x)
+  copies = len({id(exe) for exes in _replayed(layers) for exe in exes})
+  per_layer = jax.default_backend() == "gpu"
+  assert copies == (sum(map(len, _replayed(layers))) if per_layer else len(_replayed(layers)[0]))
+
+
+def test_reset_then_replay_captures_and_copies_again():
+  layers, params, x, traces = _stack(True)
+  for layer in layers:
+    layer.reset()
+  y, pullback = jg.sequential_vjp(layers, params, x)
+  pullback(jnp.ones_like(y))
+  assert traces() == 2
+  replayed = _replayed(layers)
+  assert len({id(exe) for exes in replayed for exe in exes}) == sum(map(len, replayed))
+
+
+@pytest.mark.devices(2)
+def test_an_executable_on_several_devices_is_shared_not_copied():
+  mesh = jax.sharding.Mesh(devices_for(2)[:2], ("data",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  x = jax.device_put(jnp.ones((4, D)), sharding)
+  compiled = jax.jit(lambda v: v * 2).lower(x).compile()
+  assert capture_lib.loaded_copy(compiled) is compiled
+  single = jax.jit(lambda v: v * 2).lower(jnp.ones((4, D))).compile()
+  copy = capture_lib.loaded_copy(single)
+  assert copy is not single
+  assert trees_equal(copy(jnp.arange(4 * D, dtype=jnp.float32).reshape(4, D)),
+                     single(jnp.arange(4 * D, dtype=jnp.float32).reshape(4, D)))
