@@ -399,7 +399,10 @@ def test_example_trains_over_two_devices_like_one():
   result = subprocess.run(
       [sys.executable, str(example), "--zero-bubble", "--compare", "--steps", "2"],
       env={**os.environ, "JAX_PLATFORMS": "cpu",  # its own 2 CPU devices, whatever ours are
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           # the tree under test, installed or not
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(example.parent.parent),
+                                                      os.environ.get("PYTHONPATH")]))},
       capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   out = result.stdout
