@@ -60,7 +60,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental import serialize_executable  # noqa: E402
 
 import gpt  # noqa: E402
 import jaxgraph as jg  # noqa: E402
@@ -200,10 +199,6 @@ def _build_jaxgraph(spec: Spec, block: Callable[..., Any], params: list[Any], x0
                  layers=layers)
 
 
-def _load_copy(compiled: Any) -> Any:
-  return serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
-
-
 def _raw(spec: Spec, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x0: jax.Array,
          head: Any, update: Any) -> Variant:
   """Replays the executables `layers` captured with no jaxgraph code in the loop."""
@@ -214,8 +209,8 @@ def _raw(spec: Spec, layers: tuple[jg.GraphedCallable, ...], params: list[Any], 
   forwards = [entry.forward["stream", True]] * len(layers)
   backwards = [backward] * len(layers)
   if spec.base == "jaxgraph-raw-own":
-    forwards = [_load_copy(entry.forward["stream", True]) for _ in layers]
-    backwards = [_load_copy(backward) for _ in layers]
+    forwards = [capture_lib.loaded_copy(entry.forward["stream", True]) for _ in layers]
+    backwards = [capture_lib.loaded_copy(backward) for _ in layers]
   base = jax.random.key(0)
   indices = [jnp.uint32(i) for i in range(len(layers))]
   treedef = jax.tree.structure(params[0])

@@ -75,7 +75,7 @@ def main() -> None:
   results["layer-same"] = host_us(lambda i: forward(base, indices[0], counter, *leaves[0]),
                                   args.calls, args.reps)
   results["layer-rotate"] = host_us(rotate([forward] * len(leaves)), args.calls, args.reps)
-  results["layer-own"] = host_us(rotate([bench._load_copy(forward) for _ in leaves]),
+  results["layer-own"] = host_us(rotate([capture_lib.loaded_copy(forward) for _ in leaves]),
                                  args.calls, args.reps)
   layout = entry.layout
   backward, _ = entry.backward["full"]
@@ -88,7 +88,7 @@ def main() -> None:
   n = len(saved)
   results["backward-same"] = host_us(lambda i: backward(*saved[0]), args.calls, args.reps)
   results["backward-rotate"] = host_us(lambda i: backward(*saved[i % n]), args.calls, args.reps)
-  own = [bench._load_copy(backward) for _ in saved]
+  own = [capture_lib.loaded_copy(backward) for _ in saved]
   results["backward-own"] = host_us(lambda i: own[i % n](*saved[i % n]), args.calls, args.reps)
   fwd = capture_lib._forward_fn(entry.closed_jaxpr, entry.layout, "stream", outputs_only=False,
                                 offload=False)

@@ -134,9 +134,6 @@ class Executables:
   compile_seconds: float
   residual_bytes: int               # what one forward keeps for its backward (kept, packed)
   donated: tuple[int, ...] = ()     # argument leaves the outputs-only forwards donate
-  # ids of the compiled executables above that a callable replays as they are; the other
-  # callables sharing this entry replay loaded copies (`loaded_copy`)
-  claimed: set[int] = dataclasses.field(default_factory=set)
 
 
 def _is_inexact(dtype: Any) -> bool:

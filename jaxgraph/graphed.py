@@ -450,16 +450,13 @@ class GraphedCallable:
 
   def _local(self, entry: capture_lib.Executables, exe: Any) -> Any:
     """The executable this callable replays for `exe` of `entry`: `exe` itself, or with
-    `per_layer_executables` a loaded copy of its own where another callable replays `exe`."""
+    `per_layer_executables` a loaded copy of its own where an identical callable captured
+    `entry` (and replays `exe` itself)."""
     local = self._replayed.get(exe)
     if local is None:
-      local = exe
-      if self._config.per_layer_executables:
-        with self._config.lock:
-          if id(exe) in entry.claimed:
-            local = capture_lib.loaded_copy(exe)
-          else:
-            entry.claimed.add(id(exe))
+      captured_here = (self.fn, entry.signature, self._offload) in self._own
+      local = (capture_lib.loaded_copy(exe)
+               if self._config.per_layer_executables and not captured_here else exe)
       self._replayed[exe] = local
     return local
 
