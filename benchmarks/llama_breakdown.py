@@ -1,0 +1,485 @@
+"""Where the graphed Llama step's time goes, beside its whole-step jit: host or device.
+
+  PYTHONPATH=. python3 benchmarks/llama_breakdown.py --preset gpu --flat --out runs/breakdown
+  PYTHONPATH=. python3 benchmarks/llama_breakdown.py --preset tiny --rounds 2   # CPU smoke run
+
+Per variant (residual policy, packing threshold) it measures:
+  - calls: one block's arrays per `vjp`, and host microseconds per call taken in bursts of a
+    few calls after a sync (below the runtime's limit of in-flight executions, past which the
+    host waits for the device and "host time" is device time), beside the device-paced time
+    of many calls in a row;
+  - step: graphed vs whole-step `jax.jit` tokens/s in alternating rounds, the host time to
+    enqueue one microbatch after a sync, and each step part's host enqueue;
+  - trace: a profiler trace of a few graphed and whole steps, reduced to GPU busy time per
+    step, idle gaps, and kernel time by kind (GPU only).
+A long graphed run with the GPU's clocks, power and throttle reasons logged beside it shows
+whether the rate changes over the first hundreds of steps, and why. Prints a table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import gzip
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples" / "llama"), str(ROOT / "examples")]
+import jaxgraph as jg  # noqa: E402
+from jaxgraph import capture as capture_lib  # noqa: E402
+import train  # noqa: E402
+from common import CORPUS, Corpus, stream_keys, stream_positions  # noqa: E402
+from model import Config, Llama  # noqa: E402
+
+RECOMPUTE = jg.residuals.recompute_elementwise
+VARIANTS = {
+    # name: (remat policy, PACK_MAX_BYTES, sequential_vjp(fuse=...))
+    "default": (None, None, False),
+    "recompute": (RECOMPUTE, None, False),
+    "pack-all": (None, 1 << 40, False),
+    "recompute-pack-all": (RECOMPUTE, 1 << 40, False),
+    "recompute-fuse": (RECOMPUTE, None, True),
+}
+
+
+class _Fused:
+  """jaxgraph as train.py sees it, with `sequential_vjp(..., fuse=True)`."""
+
+  sequential_vjp = staticmethod(functools.partial(jg.sequential_vjp, fuse=True))
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(jg, name)
+
+
+@dataclasses.dataclass
+class Setup:
+  preset: Any
+  config: Config
+  corpus: Corpus
+  fns: list[Any]
+  params: list[Any]
+  positions: jax.Array
+
+
+def setup(preset_name: str, flat: bool) -> Setup:
+  preset = train.PRESETS[preset_name]
+  corpus = Corpus(CORPUS, preset.context, preset.batch, 0, held_out=0.1)
+  config = Config(vocab=len(corpus.chars), width=preset.width, depth=preset.depth,
+                  heads=preset.heads, kv_heads=preset.kv_heads, hidden=preset.hidden,
+                  dropout=preset.dropout, attention=preset.attention
+                  if jax.default_backend() == "gpu" else None)
+  fns, params = train.split(Llama(config, rngs=nnx.Rngs(params=0)))
+  if flat:
+    params = [jg.flat.ravel(p, group=train.flat_group) for p in params]
+  return Setup(preset, config, corpus, fns, params, jnp.arange(preset.context))
+
+
+def build(s: Setup, variant: str) -> train.Trainer:
+  policy, pack, fuse = VARIANTS[variant]
+  train.jg = _Fused() if fuse else jg
+  if pack is not None:
+    capture_lib.PACK_MAX_BYTES = pack
+  tokens = jax.ShapeDtypeStruct((s.preset.batch, s.preset.context), jnp.int32)
+  x = jax.ShapeDtypeStruct((s.preset.batch, s.preset.context, s.config.width),
+                           s.config.compute_dtype)
+  table = train.tied_table(s.params, s.config)
+  sample_args = ([(s.params[0], tokens)] + [(p, x, s.positions) for p in s.params[1:-1]]
+                 + [(s.params[-1], x, tokens, *table)])
+  begin = time.perf_counter()
+  layers = train.build_layers(s.fns, sample_args, graph_ends=True, rng=jax.random.key(0),
+                              remat_policy=policy)
+  capture_lib.PACK_MAX_BYTES = DEFAULT_PACK
+  tx = train.optimizer(s.preset, 1000)
+  trainer = train.Trainer(layers, s.config, tx, s.preset.microbatches, s.params,
+                          tx.init(s.params))
+  trainer.capture_seconds = time.perf_counter() - begin
+  return trainer
+
+
+def median_spread(values: list[float]) -> tuple[float, float]:
+  m = statistics.median(values)
+  return m, (100 * (max(values) - min(values)) / m if m else 0.0)
+
+
+def call_costs(s: Setup, trainer: train.Trainer, burst: int = 8, long: int = 40
+               ) -> dict[str, Any]:
+  """One block: arrays per vjp, host us per call in short bursts, device-paced us per call."""
+  params = s.params
+  tokens, _ = s.corpus.batch_at(0)
+  embed, block = trainer.layers[0], trainer.layers[1]
+  x = jax.block_until_ready(embed(params[0], tokens))
+  p = params[1]
+  before = len(jax.live_arrays())
+  y, pullback = block.vjp(p, x, s.positions)
+  jax.block_until_ready(y)
+  arrays_per_vjp = len(jax.live_arrays()) - before
+  ct = jnp.ones_like(y)
+  jax.block_until_ready(pullback(ct))
+  del pullback
+
+  def host_burst(make: Any, run: Any) -> float:
+    """Median host us of `run(item)` over `burst` items made (and synced) beforehand."""
+    samples = []
+    for _ in range(5):
+      items = jax.block_until_ready(make())
+      begin = time.perf_counter()
+      outs = [run(item) for item in items]
+      samples.append((time.perf_counter() - begin) / len(items) * 1e6)
+      jax.block_until_ready(outs)
+      del outs, items
+    return statistics.median(samples)
+
+  def paced(run: Any) -> float:
+    jax.block_until_ready(run())
+    begin = time.perf_counter()
+    outs = [run() for _ in range(long)]
+    jax.block_until_ready(outs)
+    return (time.perf_counter() - begin) / long * 1e6
+
+  result = {"arrays_per_vjp": arrays_per_vjp,
+            "inputs_per_call": len(jax.tree.leaves((p, x, s.positions)))}
+  result["forward_host_us"] = host_burst(lambda: [None] * burst,
+                                         lambda _: block(p, x, s.positions))
+  result["vjp_host_us"] = host_burst(lambda: [None] * burst,
+                                     lambda _: block.vjp(p, x, s.positions))
+  pending: list[Any] = []
+
+  def make_pullbacks():
+    pending[:] = [block.vjp(p, x, s.positions)[1] for _ in range(burst)]
+    return [None] * burst
+
+  def run_backward(_):
+    return pending.pop()(ct)
+
+  result["backward_host_us"] = host_burst(make_pullbacks, run_backward)
+  result["forward_paced_us"] = paced(lambda: block(p, x, s.positions))
+  result["vjp_paced_us"] = paced(lambda: block.vjp(p, x, s.positions)[0])
+  result["fwd_bwd_paced_us"] = paced(lambda: block.vjp(p, x, s.positions)[1](ct))
+  result["residual_bytes"] = block.stats.residual_bytes
+  return result
+
+
+def whole_step(s: Setup, trainer: train.Trainer) -> tuple[Any, Any]:
+  """The whole-step jit, compiled, and its keys (drawn once, before any timing)."""
+  layers = train.graphed(trainer.layers)
+  streams = stream_positions(layers)
+  keys = train.block_keys(streams, True, 0, trainer.microbatches)
+  batches = train.step_batches(s.corpus, 0, trainer.microbatches)
+  opt_state = trainer.tx.init(s.params)
+  args = (jnp.stack([t for t, _ in batches]), jnp.stack([t for _, t in batches]), s.positions,
+          keys)
+  begin = time.perf_counter()
+  compiled = train.make_whole_step(s.fns, trainer).lower(s.params, opt_state, *args).compile()
+  print(f"whole step compiled in {time.perf_counter() - begin:.1f} s", flush=True)
+  return compiled, keys
+
+
+def step_rates(s: Setup, trainer: train.Trainer, whole: Any, keys: Any, rounds: int,
+               steps: int) -> dict[str, Any]:
+  """Alternating rounds: tokens/s of graphed and whole step, and graphed host enqueue."""
+  microbatches = trainer.microbatches
+  tokens_per_step = microbatches * s.preset.batch * s.preset.context
+  batches = [train.step_batches(s.corpus, i, microbatches) for i in range(8)]
+  stacked = [(jnp.stack([t for t, _ in b]), jnp.stack([t for _, t in b])) for b in batches]
+  rates: dict[str, list[float]] = {"graphed": [], "whole_step": []}
+  enqueue: list[float] = []
+
+  def run_graphed(state, i):
+    return trainer.step(*state, batches[i % 8], s.positions)[:2]
+
+  def run_whole(state, i):
+    return whole(*state, *stacked[i % 8], s.positions, keys)[:2]
+
+  opt_state = trainer.tx.init(s.params)
+  for index in range(rounds):
+    order = [("graphed", run_graphed), ("whole_step", run_whole)]
+    for name, run in (order if index % 2 == 0 else order[::-1]):
+      state = (jax.tree.map(jnp.copy, s.params), jax.tree.map(jnp.copy, opt_state))
+      for i in range(3):  # settle, untimed
+        state = run(state, i)
+      jax.block_until_ready(state)
+      begin = time.perf_counter()
+      spent = 0.0
+      for i in range(steps):
+        mark = time.perf_counter()
+        state = run(state, i)
+        spent += time.perf_counter() - mark
+      jax.block_until_ready(state)
+      rates[name].append(steps * tokens_per_step / (time.perf_counter() - begin))
+      if name == "graphed":
+        enqueue.append(spent / steps * 1e3)
+      del state
+  graphed, graphed_spread = median_spread(rates["graphed"])
+  whole_rate, whole_spread = median_spread(rates["whole_step"])
+  return {"graphed_tok_s": graphed, "graphed_spread_pct": graphed_spread,
+          "whole_tok_s": whole_rate, "whole_spread_pct": whole_spread,
+          "ratio": graphed / whole_rate, "rounds": rates,
+          "graphed_enqueue_ms_per_step": statistics.median(enqueue)}
+
+
+def microbatch_host(s: Setup, trainer: train.Trainer) -> dict[str, float]:
+  """Host ms to enqueue one microbatch (26 calls, under the in-flight limit) after a sync."""
+  tokens, targets = s.corpus.batch_at(1)
+  samples = []
+  for _ in range(5):
+    jax.block_until_ready(s.params)
+    begin = time.perf_counter()
+    out = trainer.microbatch(s.params, tokens, targets, s.positions)
+    samples.append((time.perf_counter() - begin) * 1e3)
+    begin = time.perf_counter()
+    jax.block_until_ready(out)
+    samples_wait = (time.perf_counter() - begin) * 1e3
+  return {"microbatch_enqueue_ms": statistics.median(samples),
+          "microbatch_wait_after_ms": samples_wait}
+
+
+# ------------------------------------------------------------------------------------ trace
+
+
+def trace_steps(s: Setup, trainer: train.Trainer, whole: Any, keys: Any, directory: pathlib.Path,
+                steps: int = 3) -> dict[str, Any]:
+  """GPU busy time per step of graphed and whole step, from a profiler trace of each."""
+  found = {}
+  batches = train.step_batches(s.corpus, 0, trainer.microbatches)
+  stacked = (jnp.stack([t for t, _ in batches]), jnp.stack([t for _, t in batches]))
+  opt_state = trainer.tx.init(s.params)
+  for name in ("graphed", "whole_step"):
+    state = (jax.tree.map(jnp.copy, s.params), jax.tree.map(jnp.copy, opt_state))
+    run = ((lambda st: trainer.step(*st, batches, s.positions)[:2]) if name == "graphed" else
+           (lambda st: whole(*st, *stacked, s.positions, keys)[:2]))
+    state = jax.block_until_ready(run(run(state)))
+    log_dir = directory / f"trace-{name}"
+    begin = time.perf_counter()
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+      for _ in range(steps):
+        state = run(state)
+      jax.block_until_ready(state)
+    wall = (time.perf_counter() - begin) / steps
+    files = sorted(log_dir.rglob("*.trace.json.gz"))
+    found[name] = dict(reduce_trace(files[-1]) if files else {}, wall_ms_per_step=wall * 1e3,
+                       steps=steps)
+    del state
+  return found
+
+
+def reduce_trace(path: pathlib.Path) -> dict[str, Any]:
+  """GPU kernel time, busy (union) time and the largest idle gaps, from a perfetto trace."""
+  data = json.loads(gzip.open(path).read())
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+  if not kernels:
+    return {"note": f"no GPU events among processes {sorted(set(names.values()))}"}
+  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
+  busy, gaps, (start, end) = 0.0, [], spans[0]
+  first = start
+  for lo, hi in spans[1:]:
+    if lo > end:
+      busy += end - start
+      gaps.append(lo - end)
+      start, end = lo, hi
+    else:
+      end = max(end, hi)
+  busy += end - start
+  by_kind: collections.Counter[str] = collections.Counter()
+  for e in kernels:
+    by_kind[kernel_kind(e.get("name", ""))] += float(e["dur"])
+  gaps.sort(reverse=True)
+  return {"gpu_busy_ms": busy / 1e3, "gpu_span_ms": (end - first) / 1e3,
+          "kernel_ms": sum(by_kind.values()) / 1e3, "kernels": len(kernels),
+          "idle_ms": sum(gaps) / 1e3, "gaps_over_20us": sum(g > 20 for g in gaps),
+          "idle_in_gaps_over_20us_ms": sum(g for g in gaps if g > 20) / 1e3,
+          "kernel_ms_by_kind": {k: round(v / 1e3, 3) for k, v in by_kind.most_common(12)}}
+
+
+def kernel_kind(name: str) -> str:
+  lowered = name.lower()
+  for kind, marks in (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+                      ("attention", ("cudnn", "fmha", "flash", "attn")),
+                      ("copy", ("memcpy", "memset", "copy")),
+                      ("reduce", ("reduce", "reduction")),
+                      ("rng", ("threefry", "random", "rng")),
+                      ("fusion", ("fusion", "loop_", "input_", "triton"))):
+    if any(m in lowered for m in marks):
+      return kind
+  return "other"
+
+
+# ----------------------------------------------------------------------------- long run
+
+
+def clock_log(path: pathlib.Path, stop: threading.Event) -> threading.Thread:
+  """Samples the GPU's SM clock, power, temperature and throttle reasons twice a second."""
+
+  def sample():
+    query = ("timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,"
+             "clocks_throttle_reasons.active")
+    with path.open("w") as out:
+      while not stop.is_set():
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                              capture_output=True, text=True).stdout.strip()
+        out.write(f"{time.time():.2f},{line}\n")
+        out.flush()
+        stop.wait(0.5)
+
+  thread = threading.Thread(target=sample, daemon=True)
+  thread.start()
+  return thread
+
+
+def native_profile(s: Setup, trainer: train.Trainer, seconds: float, path: pathlib.Path) -> None:
+  """Graphed steps for `seconds` under py-spy's sampling profiler with native frames, as
+  collapsed stacks in `path` (read them with `native_breakdown.py`); steps and executable
+  calls in `path` with `.json`."""
+  spy = shutil.which("py-spy")
+  if spy is None:
+    print("py-spy not found: no native profile", flush=True)
+    return
+  sampler = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--native", "--rate",
+                              "1000", "--format", "raw", "--duration", str(int(seconds)),
+                              "--output", str(path)], stdout=subprocess.DEVNULL)
+  time.sleep(1.0)  # py-spy attaches
+  state = (jax.tree.map(jnp.copy, s.params), trainer.tx.init(s.params))
+  begin, steps = time.perf_counter(), 0
+  while time.perf_counter() < begin + seconds and sampler.poll() is None:
+    state = trainer.step(*state, train.step_batches(s.corpus, steps, trainer.microbatches),
+                         s.positions)[:2]
+    steps += 1
+  jax.block_until_ready(state)
+  sampler.wait()
+  blocks = len(trainer.layers) - 2
+  calls_per_step = trainer.microbatches * 2 * (len(trainer.layers)) + trainer.microbatches + 2
+  path.with_suffix(".json").write_text(json.dumps(
+      {"seconds": time.perf_counter() - begin, "steps": steps, "blocks": blocks,
+       "calls": steps * calls_per_step}))
+
+
+def spin_ms() -> float:
+  """Milliseconds of a fixed pure-Python loop on an otherwise idle host: it grows when the
+  host's CPU clock drops (a turbo budget spent under sustained load)."""
+  begin = time.perf_counter()
+  total = 0
+  for i in range(300_000):
+    total += i & 7
+  return (time.perf_counter() - begin) * 1e3
+
+
+def cpu_mhz() -> float | None:
+  """The mean `cpu MHz` of /proc/cpuinfo (None where there is none)."""
+  try:
+    values = [float(line.split(":")[1]) for line in open("/proc/cpuinfo")
+              if line.startswith("cpu MHz")]
+  except OSError:
+    return None
+  return statistics.mean(values) if values else None
+
+
+def long_run(s: Setup, trainer: train.Trainer, steps: int, every: int) -> list[dict[str, Any]]:
+  """Graphed steps from a fresh state; tokens/s and host enqueue per `every` steps, and the
+  host's pure-Python speed (`spin_ms`) measured between them with the device idle."""
+  microbatches = trainer.microbatches
+  tokens_per_step = microbatches * s.preset.batch * s.preset.context
+  state = (jax.tree.map(jnp.copy, s.params), trainer.tx.init(s.params))
+  rows = []
+  for start in range(0, steps, every):
+    begin, spent = time.perf_counter(), 0.0
+    for i in range(start, start + every):
+      mark = time.perf_counter()
+      state = trainer.step(*state, train.step_batches(s.corpus, i, microbatches),
+                           s.positions)[:2]
+      spent += time.perf_counter() - mark
+    jax.block_until_ready(state)
+    dt = time.perf_counter() - begin
+    rows.append({"first_step": start, "time": time.time(), "spin_ms": spin_ms(),
+                 "cpu_mhz": cpu_mhz(),
+                 "tok_s": every * tokens_per_step / dt, "enqueue_ms": spent / every * 1e3,
+                 "bytes_in_use": (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")})
+    print(f"  steps {start:>4}-{start + every - 1}: {rows[-1]['tok_s']:,.0f} tok/s, "
+          f"enqueue {rows[-1]['enqueue_ms']:.1f} ms/step, spin {rows[-1]['spin_ms']:.1f} ms, "
+          f"cpu {rows[-1]['cpu_mhz']} MHz", flush=True)
+  return rows
+
+
+DEFAULT_PACK = capture_lib.PACK_MAX_BYTES
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--preset", default="gpu", choices=sorted(train.PRESETS))
+  parser.add_argument("--flat", action="store_true")
+  parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--trace", action="store_true", help="profile a few steps (GPU)")
+  parser.add_argument("--native", type=float, default=0,
+                      help="seconds of graphed steps under py-spy --native (first variant)")
+  parser.add_argument("--long", type=int, default=0, help="graphed steps of the long run")
+  parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/breakdown"))
+  parser.add_argument("--label", default="", help="names this run in its JSON (e.g. the "
+                      "XLA_FLAGS it ran under)")
+  args = parser.parse_args()
+  args.out.mkdir(parents=True, exist_ok=True)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; preset {args.preset}, "
+        f"flat {args.flat}", flush=True)
+  s = setup(args.preset, args.flat)
+  results: dict[str, Any] = {"label": args.label, "preset": args.preset, "flat": args.flat,
+                             "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                             "device": jax.devices()[0].device_kind,
+                             "jax": jax.__version__, "variants": {}}
+  whole = keys = None
+  for variant in args.variants:
+    trainer = build(s, variant)
+    print(f"[{variant}] captured in {trainer.capture_seconds:.1f} s", flush=True)
+    if whole is None:
+      whole, keys = whole_step(s, trainer)
+    found: dict[str, Any] = {"capture_seconds": trainer.capture_seconds}
+    found["call"] = call_costs(s, trainer)
+    found["microbatch"] = microbatch_host(s, trainer)
+    found["step"] = step_rates(s, trainer, whole, keys, args.rounds, args.steps)
+    if args.trace and jax.default_backend() == "gpu":
+      found["trace"] = trace_steps(s, trainer, whole, keys, args.out / variant)
+    print(f"[{variant}] {json.dumps(found, default=float)}", flush=True)
+    results["variants"][variant] = found
+    if args.native and variant == args.variants[0]:
+      native_profile(s, trainer, args.native, args.out / f"native{args.label}.txt")
+    if args.long and variant == args.variants[0]:
+      stop = threading.Event()
+      log = args.out / "clocks.csv"
+      thread = clock_log(log, stop) if jax.default_backend() == "gpu" else None
+      results["long_run"] = long_run(s, trainer, args.long, 20)
+      stop.set()
+      if thread:
+        thread.join()
+    del trainer
+  print(f"\n{'variant':<20} {'graphed tok/s':>14} {'whole tok/s':>12} {'ratio':>6} "
+        f"{'arrays/vjp':>10} {'fwd host':>9} {'vjp host':>9} {'bwd host':>9} "
+        f"{'fwd+bwd dev':>11} {'mb enqueue':>10}")
+  for variant, f in results["variants"].items():
+    c, st = f["call"], f["step"]
+    print(f"{variant:<20} {st['graphed_tok_s']:>14,.0f} {st['whole_tok_s']:>12,.0f} "
+          f"{st['ratio']:>6.3f} {c['arrays_per_vjp']:>10} {c['forward_host_us']:>8.0f}u "
+          f"{c['vjp_host_us']:>8.0f}u {c['backward_host_us']:>8.0f}u "
+          f"{c['fwd_bwd_paced_us']:>10.0f}u {f['microbatch']['microbatch_enqueue_ms']:>9.1f}m")
+  (args.out / f"breakdown{args.label}.json").write_text(json.dumps(results, indent=1, default=float))
+  print(json.dumps(results, default=float))
+
+
+if __name__ == "__main__":
+  main()
