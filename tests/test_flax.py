@@ -306,3 +306,348 @@ def test_linen_rejects_mutable_collections_and_unhashable_kwargs():
   dense = nn.Dense(D)
   with pytest.raises(TypeError, match="hashable"):
     jgf.linen_layer(dense, dense.init(jax.random.key(0), x), scale=jnp.ones(3))
+
+
+# Named and bound Linen blocks, mutable collections (KV cache, batch_stats), NNX state.
+
+
+class LinenStack(nn.Module):
+  """Blocks as submodules of a parent, as a Linen model holds them."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    for i in range(DEPTH):
+      x = LinenBlock(H, name=f"block_{i}")(x, train)
+    return x
+
+
+class LinenSetupStack(nn.Module):
+  """The same with the blocks made in `setup`, so a bound model exposes them."""
+
+  def setup(self):
+    self.blocks = [LinenBlock(H) for _ in range(DEPTH)]
+
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    for block in self.blocks:
+      x = block(x, train)
+    return x
+
+
+def _named_blocks(x: jax.Array) -> tuple[list[nn.Module], list[dict]]:
+  blocks = [LinenBlock(H, name=f"block_{i}") for i in range(DEPTH + 1)]
+  return blocks, [b.init(jax.random.key(i), x, train=False) for i, b in enumerate(blocks)]
+
+
+def _bound_blocks(x: jax.Array) -> tuple[list[nn.Module], list[dict]]:
+  variables = LinenSetupStack().init(jax.random.key(0), x, train=False)
+  bound = LinenSetupStack().bind(variables)
+  return list(bound.blocks), [{"params": variables["params"][f"blocks_{i}"]}
+                              for i in range(DEPTH)]
+
+
+@pytest.mark.parametrize("make", [_named_blocks, _bound_blocks], ids=["named", "bound"])
+def test_linen_named_or_bound_blocks_share_one_capture(make):
+  x, _ = _data()
+  blocks, variables = make(x)
+  fns, params = zip(*(jgf.linen_layer(b, v, train=True) for b, v in zip(blocks, variables)))
+  assert all(fn == fns[0] and hash(fn) == hash(fns[0]) for fn in fns)
+  layers = jg.make_graphed(list(fns), sample_args=[(p, x) for p in params], rng=True,
+                           num_warmup_iters=1)
+  stats = [layer.stats for layer in layers]
+  assert (stats[0].captures, stats[0].compiles) == (1, 2), stats[0]  # forward + backward
+  assert all((s.captures, s.cache_hits, s.compiles) == (0, 1, 0) for s in stats[1:]), stats
+  # The reference applies each block as the user holds it (named, or bound to its parent):
+  # the name changes neither the math nor the dropout masks of a top-level apply.
+  reference = [jax.jit(lambda p, x, k, b=b: jax.vjp(
+      lambda p, x: b.apply({"params": p}, x, train=True, rngs={"dropout": k}), p, x))
+               for b in blocks]
+  backward = jax.jit(lambda vjp_fn, ct: vjp_fn(ct))
+  for layer, p, ref, key in zip(layers, params, reference, _keys(0) + [jax.random.key(9)]):
+    y, pullback = layer.vjp(p, x, key=key)
+    ref_y, ref_vjp = ref(p, x, key)
+    ct = jnp.cos(y)
+    assert trees_equal(y, ref_y)
+    assert trees_equal(pullback(ct), backward(ref_vjp, ct))
+  # Replays with a given key compile that forward variant once, on the shared entry.
+  assert [(s.captures, s.compiles) for s in (l.stats for l in layers[1:])] == [(0, 0)] * (len(layers) - 1)
+
+
+def test_linen_graphed_block_dropout_differs_from_the_whole_model_at_one_key():
+  # Documented: Linen folds the module path (block_0/...) into a submodule's dropout key.
+  x, _ = _data()
+  variables = LinenStack().init(jax.random.key(0), x, train=False)
+  key = jax.random.key(5)
+  whole = LinenStack().apply(variables, x, train=True, rngs={"dropout": key})
+  h = x
+  for i in range(DEPTH):
+    h = LinenBlock(H).apply({"params": variables["params"][f"block_{i}"]}, h, train=True,
+                            rngs={"dropout": key})
+  assert not np.array_equal(whole, h)
+  fn, params = jgf.linen_layer(LinenBlock(H), {"params": variables["params"]["block_0"]},
+                               train=True)
+  assert np.array_equal(fn(params, x, key=key), LinenBlock(H, name="block_0").apply(
+      {"params": variables["params"]["block_0"]}, x, train=True, rngs={"dropout": key}))
+
+
+def test_linen_unhashable_module_field_is_named():
+
+  class Widths(nn.Module):
+    widths: list
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+      for w in self.widths:
+        x = nn.Dense(w)(x)
+      return x
+
+  x, _ = _data()
+  module = Widths([H, D])
+  variables = module.init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match=r"Widths\.widths \(list\).*tuple instead of a list "
+                                      r"\(widths=\(16, 8\)"):
+    jgf.linen_layer(module, variables)
+  fn, _ = jgf.linen_layer(Widths((H, D)), variables)  # the fix the message names
+  dense = nn.Dense(D)
+  with pytest.raises(TypeError, match=r"apply_kwargs must be hashable.*scale \(ArrayImpl\)"):
+    jgf.linen_layer(dense, dense.init(jax.random.key(0), x), scale=jnp.ones(3))
+
+
+class CachedAttention(nn.Module):
+  """Causal self-attention with an lm1b-style KV cache: with `decode`, each call writes its
+  keys and values at `cache_index` and attends to every position written so far. A call
+  holds several tokens (the prompt: prefill) or one. `init` creates the cache at the
+  length of its input, without writing it (as flax's attention does)."""
+  heads: int = 2
+
+  @nn.compact
+  def __call__(self, x: jax.Array, decode: bool) -> jax.Array:
+    _, t, d = x.shape
+    q, k, v = (nn.DenseGeneral((self.heads, d // self.heads), name=n)(x) for n in "qkv")
+    q_pos = k_pos = jnp.arange(t)
+    if decode:
+      initialized = self.has_variable("cache", "cached_key")
+      cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+      cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+      index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+      if initialized:
+        i = index.value
+        cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))
+        cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, i, 0, 0))
+        index.value = i + t
+        k, v = cached_k.value, cached_v.value
+        q_pos, k_pos = i + jnp.arange(t), jnp.arange(k.shape[1])
+    mask = k_pos[None, :] <= q_pos[:, None]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    weights = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
+    return nn.DenseGeneral(d, axis=(-2, -1), name="out")(
+        jnp.einsum("bhqk,bkhd->bqhd", weights, v))
+
+
+class DecoderBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x: jax.Array, decode: bool = False) -> jax.Array:
+    x = x + CachedAttention()(nn.LayerNorm()(x), decode)
+    return x + nn.Dense(D)(jax.nn.gelu(nn.Dense(H)(nn.LayerNorm()(x))))
+
+
+def test_linen_kv_cache_decode_loop_donates_the_cache_and_never_recompiles():
+  batch, prompt_len, max_len, vocab, new_tokens = 2, 3, 8, 11, 4
+  embed = jax.random.normal(jax.random.key(1), (vocab, D))
+  blocks = [DecoderBlock(name=f"block_{i}") for i in range(DEPTH)]
+  variables = [b.init(jax.random.key(i), jnp.ones((batch, max_len, D)), decode=True)
+               for i, b in enumerate(blocks)]
+  fns, params, caches = zip(*(jgf.linen_layer(b, v, mutable=("cache",), decode=True)
+                              for b, v in zip(blocks, variables)))
+  assert list(caches[0]) == ["cache"] and fns[0] == fns[1] and fns[0].mutable == ("cache",)
+  prompt = jax.random.randint(jax.random.key(2), (batch, prompt_len), 0, vocab)
+  layers = jg.make_graphed(list(fns), sample_args=[(p, c, embed[prompt])
+                                                   for p, c in zip(params, caches)],
+                           inference_only=True, donate_argnums=(1,))
+  next_token = jax.jit(lambda h: jnp.argmax(h[:, -1] @ embed.T, axis=-1)[:, None])
+  reference = [jax.jit(lambda p, c, x, b=b: b.apply({"params": p, **c}, x, decode=True,
+                                                     mutable=["cache"])) for b in blocks]
+
+  def decode(steps, caches):
+    tokens, caches, compiles = prompt, list(caches), []
+    for n in range(new_tokens):  # the prompt (prefill), then one token at a time
+      h = embed[tokens if n == 0 else tokens[:, -1:]]
+      for i, step in enumerate(steps):
+        donated = caches[i]
+        h, caches[i] = step(params[i], caches[i], h)
+        if steps is layers:
+          assert all(leaf.is_deleted() for leaf in jax.tree.leaves(donated))
+      tokens = jnp.concatenate([tokens, next_token(h)], axis=1)
+      compiles.append([layer.stats.compiles for layer in layers])
+    return tokens, caches, compiles
+
+  copy = lambda caches: jax.tree.map(jnp.copy, caches)
+  tokens, final_caches, compiles = decode(layers, copy(caches))
+  ref_tokens, ref_caches, _ = decode(reference, copy(caches))
+  assert trees_equal(tokens, ref_tokens) and tokens.shape == (batch, prompt_len + new_tokens)
+  assert trees_equal(final_caches, ref_caches)
+  assert int(final_caches[0]["cache"]["CachedAttention_0"]["cache_index"]) == (
+      prompt_len + new_tokens - 1)
+  # One capture for the prefill, one for a token; the other blocks reuse them.
+  assert [layer.stats.captures for layer in layers] == [2] + [0] * (DEPTH - 1)
+  assert compiles[1] == compiles[-1], compiles  # the decode loop does not compile
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(caches))  # sample_args live
+
+
+def test_linen_mutable_accepts_a_string_or_list_and_rejects_what_does_not_fit():
+  x, _ = _data()
+  block = DecoderBlock()
+  variables = block.init(jax.random.key(0), x[None], decode=True)
+  by_string, _, state = jgf.linen_layer(block, variables, mutable="cache", decode=True)
+  by_list, _, _ = jgf.linen_layer(block, variables, mutable=["cache"], decode=True)
+  assert by_string == by_list and by_string.mutable == ("cache",) and list(state) == ["cache"]
+  with pytest.raises(TypeError, match=r"mutable=True.*mutable=\('cache',\)"):
+    jgf.linen_layer(block, variables, mutable=True)
+  with pytest.raises(ValueError, match=r"\['cache'\] besides 'params'.*mutable=\('cache',\)"):
+    jgf.linen_layer(block, variables, decode=True)  # used to pass apply a kwarg
+  no_cache = block.init(jax.random.key(0), x[None])  # decode off: no cache created
+  with pytest.raises(ValueError, match=r"no \['cache'\] collection.*decode flag"):
+    jgf.linen_layer(block, no_cache, mutable=("cache",), decode=True)
+  with pytest.raises(ValueError, match="params are the layer's first argument"):
+    jgf.linen_layer(block, variables, mutable=("params", "cache"))
+  with pytest.raises(TypeError, match="collection name or a sequence"):
+    jgf.linen_layer(block, variables, mutable=(nn.Module,))
+
+
+class BatchNormBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(H)(x))
+    return x + nn.Dense(D)(jax.nn.relu(h))
+
+
+def test_linen_batch_stats_train_like_linen():
+  x, target = _data()
+  blocks = [BatchNormBlock(name=f"block_{i}") for i in range(DEPTH)]
+  variables = [b.init(jax.random.key(i), x, train=False) for i, b in enumerate(blocks)]
+  fns, params, stats = map(list, zip(*(
+      jgf.linen_layer(b, v, mutable=["batch_stats"], train=True)
+      for b, v in zip(blocks, variables))))
+  layers = jg.make_graphed(fns, sample_args=[(p, s, x) for p, s in zip(params, stats)],
+                           num_warmup_iters=1)
+  linen = jax.jit(lambda p, s, x: BatchNormBlock().apply({"params": p, **s}, x, train=True,
+                                                         mutable=["batch_stats"]))
+  forward = jax.jit(lambda p, s, x: jax.vjp(fns[0], p, s, x))
+  backward = jax.jit(lambda vjp_fn, ct: vjp_fn(ct))
+  tx = optax.sgd(0.1)
+  update = optax_update(tx)
+  opt_state = tx.init(params)
+  losses = []
+  for _ in range(STEPS):
+    h, pullbacks, references = x, [], []
+    for i, layer in enumerate(layers):
+      (y, new_stats), pullback = layer.vjp(params[i], stats[i], h)
+      assert trees_equal((y, new_stats), linen(params[i], stats[i], h))  # Linen's own update
+      references.append(forward(params[i], stats[i], h)[1])
+      h, stats[i] = y, new_stats
+      pullbacks.append(pullback)
+    loss, ct = _loss_and_ct(h, target)
+    grads = [None] * DEPTH
+    for i in reversed(range(DEPTH)):
+      ignored = jax.tree.map(jnp.ones_like, stats[i])  # the state output has no gradient
+      grads[i], stats_grads, next_ct = pullbacks[i]((ct, ignored))
+      ref = backward(references[i], (ct, jax.tree.map(jnp.zeros_like, stats[i])))
+      # Not bitwise here: the backward reads the forward's residuals packed into one buffer,
+      # and XLA:CPU rounds this block's reductions differently then (a few ulps).
+      for got, want in zip(jax.tree.leaves((grads[i], stats_grads, next_ct)),
+                           jax.tree.leaves(ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+      ct = next_ct
+    params, opt_state = update(grads, opt_state, params)
+    losses.append(loss)
+  assert losses[-1] < losses[0]
+  assert [layer.stats.captures for layer in layers] == [1] + [0] * (DEPTH - 1)
+  assert sum(layer.stats.compiles for layer in layers) == 2  # forward + backward, once
+
+
+class NnxBatchNormBlock(nnx.Module):
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.up = nnx.Linear(D, H, rngs=rngs)
+    self.norm = nnx.BatchNorm(H, momentum=0.5, rngs=rngs)
+    self.down = nnx.Linear(H, D, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return x + self.down(jax.nn.relu(self.norm(self.up(x))))
+
+
+def test_nnx_batch_stats_as_mutable_state_update_like_nnx():
+  x, target = _data()
+  blocks = [NnxBatchNormBlock(rngs=nnx.Rngs(i)) for i in range(DEPTH)]
+  fns, params, stats = map(list, zip(*(jgf.nnx_layer(b, mutable=nnx.BatchStat)
+                                       for b in blocks)))
+  assert fns[0] == fns[1] and fns[0].mutable is nnx.BatchStat
+  assert fns[0] != jgf.nnx_layer(blocks[0], wrt=(nnx.Param, nnx.BatchStat))[0]
+  layers = jg.make_graphed(fns, sample_args=[(p, s, x) for p, s in zip(params, stats)],
+                           num_warmup_iters=1)
+  reference = nnx.jit(lambda block, x: block(x))  # updates the block's own BatchStats
+  forward = jax.jit(lambda p, s, x: jax.vjp(fns[0], p, s, x))
+  backward = jax.jit(lambda vjp_fn, ct: vjp_fn(ct))
+  for _ in range(2):
+    h = x
+    for i, layer in enumerate(layers):
+      (y, stats[i]), pullback = layer.vjp(params[i], stats[i], h)
+      assert trees_equal(y, reference(blocks[i], h))
+      assert trees_equal(stats[i], nnx.state(blocks[i], nnx.BatchStat))
+      ref_vjp = forward(params[i], nnx.state(blocks[i], nnx.BatchStat), h)[1]
+      got = pullback((jnp.cos(y), jax.tree.map(jnp.ones_like, stats[i])))  # ignored: no grad
+      want = backward(ref_vjp, (jnp.cos(y), jax.tree.map(jnp.zeros_like, stats[i])))
+      for got, want in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # packed residuals
+      h = y
+  assert [layer.stats.captures for layer in layers] == [1] + [0] * (DEPTH - 1)
+
+
+def test_nnx_kv_cache_decode_loop_donates_the_cache():
+  batch, max_len, steps = 2, 6, 4
+
+  class NnxDecoderBlock(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+      self.norm = nnx.LayerNorm(D, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(2, D, decode=True, deterministic=True, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+      return x + self.attn(self.norm(x))
+
+  def make_blocks() -> list[NnxDecoderBlock]:
+    blocks = [NnxDecoderBlock(rngs=nnx.Rngs(i)) for i in range(DEPTH)]
+    for block in blocks:
+      block.attn.init_cache((batch, max_len, D))
+    return blocks
+
+  # The state shares its arrays with the module, and the donated cache is deleted: the
+  # reference decodes with blocks of its own.
+  blocks = make_blocks()
+  fns, params, caches = map(list, zip(*(jgf.nnx_layer(b, mutable=nnx.Cache)
+                                        for b in make_blocks())))
+  x = jax.random.normal(jax.random.key(3), (batch, 1, D))
+  layers = jg.make_graphed(fns, sample_args=[(p, c, x) for p, c in zip(params, caches)],
+                           inference_only=True, donate_argnums=(1,))
+  reference = nnx.jit(lambda block, x: block(x))
+  compiles = None
+  for _ in range(steps):  # one token at a time
+    h = ref_h = x
+    for i, layer in enumerate(layers):
+      donated = caches[i]
+      h, caches[i] = layer(params[i], caches[i], h)
+      assert all(leaf.is_deleted() for leaf in jax.tree.leaves(donated))
+      ref_h = reference(blocks[i], ref_h)
+      assert trees_equal(h, ref_h)
+      assert trees_equal(caches[i], nnx.state(blocks[i], nnx.Cache))
+    x = jnp.tanh(h)
+    compiles = compiles or [layer.stats.compiles for layer in layers]
+  assert [layer.stats.compiles for layer in layers] == compiles  # no compile after the first
+  assert [layer.stats.captures for layer in layers] == [1] + [0] * (DEPTH - 1)
+  assert int(caches[0]["attn"]["cache_index"][...]) == steps
+
+
+def test_nnx_mutable_state_missing_from_the_call_is_named():
+  fn, params, stats = jgf.nnx_layer(NnxBatchNormBlock(rngs=nnx.Rngs(0)), mutable=nnx.BatchStat)
+  with pytest.raises(ValueError, match=r"mutable=nnx\.BatchStat"):
+    jgf.nnx_layer(NnxBatchNormBlock(rngs=nnx.Rngs(0)))
+  with pytest.raises(TypeError, match=r"takes \(params, state, \*inputs\)"):
+    fn(params)
