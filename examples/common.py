@@ -1,5 +1,6 @@
 """What the training examples share: their run options, the corpus, key-stream positions,
-Orbax checkpoints that hold them, a params digest, the loss plot.
+verified Orbax checkpoints that hold them with the run's config and loss history, atomic
+JSON writes, the progress bar, a params digest, the loss plot.
 
 Used by examples/train_gpt.py and examples/llama/train.py.
 """
@@ -7,10 +8,14 @@ Used by examples/train_gpt.py and examples/llama/train.py.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
+import json
+import os
 import pathlib
 import shutil
-from typing import Any, Sequence
+import warnings
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +88,49 @@ def stream_keys(streams: Streams, offset: int) -> list[jax.Array]:
           for i, (base, counter) in enumerate(streams)]
 
 
+class CheckpointWarning(UserWarning):
+  """A checkpoint could not be restored or failed its digest; an earlier one is tried."""
+
+
+class NoCheckpoint(RuntimeError):
+  """--resume found checkpoints, but none that restores and passes its digest."""
+
+
+class Restored(NamedTuple):
+  """A verified checkpoint: its step, state, key-stream positions and saved metadata."""
+
+  step: int
+  params: Any
+  opt_state: Any
+  streams: Streams
+  meta: dict[str, Any]  # what `Checkpoints.save` was given, plus "step" and "digests"
+
+
+def _digest(array: Any) -> str:
+  """sha256 of an array's bytes, hashed in place (a byte view, no copy)."""
+  return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
+
+
+def tree_digests(tree: Any) -> dict[str, str]:
+  """sha256 of every leaf of `tree`, by its path. Hashed on host threads (hashlib releases
+  the GIL), about 1.5 GB/s per core."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  with concurrent.futures.ThreadPoolExecutor() as pool:
+    digests = pool.map(_digest, [leaf for _, leaf in leaves])
+    return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
+
+
 class Checkpoints:
-  """Orbax checkpoints of the params, the optimizer state and each layer's stream position."""
+  """Orbax checkpoints: each step holds the state (params, optimizer state, each layer's
+  key-stream position) and, in the same step, its metadata (the run's config and loss
+  history, and a sha256 of every array of the state).
+
+  Orbax writes a step into a temporary directory and renames it when complete, so the state
+  and the history of a step are there together or not at all. `restore` checks every array
+  against the step's digests and falls back to the previous step when the latest cannot be
+  read or fails the check. A step it skipped is moved out of the way (into
+  `checkpoints-rejected/`): Orbax silently skips saving a step at or below one it holds.
+  """
 
   @classmethod
   def for_run(cls, out: pathlib.Path, *, resume: bool) -> "Checkpoints":
@@ -99,6 +145,10 @@ class Checkpoints:
 
   def __init__(self, directory: pathlib.Path):
     self.directory = directory.absolute()
+    self.rejected = self.directory.parent / "checkpoints-rejected"
+    self._open()
+
+  def _open(self) -> None:
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=2, enable_async_checkpointing=False))
 
@@ -108,24 +158,165 @@ class Checkpoints:
             "streams": [{"key": jax.random.key_data(base),
                          "counter": np.asarray(counter, np.uint32)} for base, counter in streams]}
 
-  def save(self, step: int, params: Any, opt_state: Any,
-           layers: Sequence[jg.GraphedCallable]) -> None:
-    self.manager.save(step, args=ocp.args.StandardSave(
-        self._tree(params, opt_state, stream_positions(layers))))
+  def save(self, step: int, params: Any, opt_state: Any, streams: Streams,
+           meta: dict[str, Any]) -> None:
+    """Saves step `step`: the state, and `meta` (JSON: config, loss history) with the
+    state's digests, in one Orbax step."""
+    tree = self._tree(params, opt_state, streams)
+    meta = {**meta, "step": step, "digests": tree_digests(tree)}
+    saved = self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+    if not saved:
+      raise RuntimeError(f"Orbax skipped saving step {step}: {self.directory} already holds "
+                         f"step {self.manager.latest_step()}. Resume with --resume, or remove "
+                         "the directory to start afresh.")
 
-  def restore(self, params: Any, opt_state: Any, layers: Sequence[jg.GraphedCallable]
-              ) -> tuple[int, Any, Any] | None:
-    """Restores the latest checkpoint into the layers' streams; None if there is none.
+  def latest_meta(self) -> tuple[int, dict[str, Any]] | None:
+    """The newest step whose metadata reads, and that metadata (arrays not read or checked:
+    `restore` does that); None if there is none."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return step, dict(meta["meta"])
+      except Exception:  # unreadable: `restore` names it and falls back
+        continue
+    return None
 
-    `params` and `opt_state` give the structure (the values are replaced)."""
-    step = self.manager.latest_step()
-    if step is None:
-      return None
-    target = self._tree(params, opt_state, stream_positions(layers))
-    restored = self.manager.restore(step, args=ocp.args.StandardRestore(target))
-    for layer, stream in zip(layers, restored["streams"]):
-      layer.seed(jax.random.wrap_key_data(stream["key"]), counter=int(stream["counter"]))
-    return step, restored["params"], restored["opt_state"]
+  def restore(self, params: Any, opt_state: Any, streams: Streams) -> Restored | None:
+    """The newest checkpoint that restores and matches its digests; None if there is none.
+
+    `params`, `opt_state` and `streams` give the structure (the values are replaced). Each
+    newer step that failed is named in a `CheckpointWarning` and moved to
+    `checkpoints-rejected/`, so that the resumed run can save that step again.
+
+    Raises:
+      NoCheckpoint: there were checkpoints, and none of them passed (all left in place).
+    """
+    target = self._tree(params, opt_state, streams)
+    failures: list[tuple[int, str]] = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      found = self._check(step, target)
+      if isinstance(found, Restored):
+        for bad, problem in failures:
+          warnings.warn(f"checkpoint step {bad} in {self.directory} {problem}; resuming from "
+                        f"step {step} instead (step {bad} moved to {self._reject(bad)})",
+                        CheckpointWarning, stacklevel=2)
+        return found
+      failures.append((step, found))
+    if failures:
+      raise NoCheckpoint(f"no checkpoint in {self.directory} restores intact: "
+                         + "; ".join(f"step {step} {problem}" for step, problem in failures)
+                         + ". Start afresh without --resume (the steps are left in place).")
+    return None
+
+  def _check(self, step: int, target: dict[str, Any]) -> Restored | str:
+    """Step `step` restored and verified, or what is wrong with it."""
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # tensorstore, JSON, missing items: one line is enough
+      first = (str(e).strip().splitlines() or [""])[0]
+      return f"cannot be read ({type(e).__name__}: {first[:200]})"
+    state, meta = restored["state"], dict(restored["meta"])
+    expected = meta.get("digests")
+    if not isinstance(expected, dict):
+      return "has no digests (written by an older version of this example?)"
+    found = tree_digests(state)
+    bad = sorted(path for path in expected.keys() | found.keys()
+                 if expected.get(path) != found.get(path))
+    if bad:
+      return (f"does not match its digests ({len(bad)} of {len(expected)} arrays differ: "
+              f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+    streams = [(jax.random.wrap_key_data(s["key"]), int(s["counter"]))
+               for s in state["streams"]]
+    return Restored(step, state["params"], state["opt_state"], streams, meta)
+
+  def _reject(self, step: int) -> pathlib.Path:
+    """Moves step `step` out of the checkpoint directory; returns where to."""
+    self.rejected.mkdir(parents=True, exist_ok=True)
+    destination = self.rejected / str(step)
+    suffix = 1
+    while destination.exists():
+      destination, suffix = self.rejected / f"{step}.{suffix}", suffix + 1
+    shutil.move(str(self.directory / str(step)), destination)
+    self._open()  # the manager caches the steps it found
+    return destination
+
+
+def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
+  """Writes `value` as JSON to `path` atomically: a temporary file renamed over it, so a
+  kill or a full disk leaves the old file or the new one, never a partial one."""
+  temporary = path.with_name(f".{path.name}.tmp")
+  with open(temporary, "w") as f:
+    json.dump(value, f, **options)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, path)
+
+
+def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dict[str, Any],
+                 steps: int, stop: int) -> None:
+  """With --resume: refuses (`parser.error`) a checkpoint past `steps`, or one saved by a
+  run whose config differs from `config` (names the flags that differ).
+
+  `config` maps flag names (`dropout`, `plain_ends`, ...) to values; it is what `save`'s
+  metadata holds under "config". Reads metadata only, before anything is built.
+  """
+  directory = out / "checkpoints"
+  if not directory.is_dir():
+    return
+  latest = Checkpoints(directory).latest_meta()
+  if latest is None:
+    return
+  step, meta = latest
+  if step > steps:
+    parser.error(f"the checkpoint in {directory} is at step {step}, past --steps {steps}: "
+                 f"pass --steps {step} or more to continue it, or drop --resume to start "
+                 "afresh")
+  if step >= stop and stop < steps:
+    parser.error(f"--stop-after {stop} is not after the checkpoint's step {step} in "
+                 f"{directory}: pass a later --stop-after")
+  saved = meta.get("config", {})
+  differ = [f"--{name.replace('_', '-')} {config.get(name)!r} (the checkpoint's run: "
+            f"{saved.get(name)!r})" for name in sorted(config.keys() | saved.keys())
+            if config.get(name) != saved.get(name)]
+  if differ:
+    parser.error(f"--resume with a config other than that of the checkpoint in {directory}: "
+                 + ", ".join(differ) + ". Pass the checkpoint's flags to continue it, or "
+                 "another --out (or no --resume) for a new run")
+
+
+class LogLines:
+  """The part of tqdm's interface the examples use, without a bar: log lines only (when
+  tqdm, in the "examples" extra, is not installed)."""
+
+  def __init__(self, iterable: Iterable[int], **_: Any):
+    self._iterable = iterable
+
+  def __iter__(self) -> Iterator[int]:
+    return iter(self._iterable)
+
+  def set_postfix(self, **_: Any) -> None:
+    pass
+
+  def write(self, line: str) -> None:
+    print(line, flush=True)
+
+  def close(self) -> None:
+    pass
+
+
+def progress_bar(steps: range, *, total: int) -> Any:
+  """A tqdm bar over `steps` (of `total`; `steps` may start later, on a resume), or
+  `LogLines` without tqdm. The bar shows no rate of its own: its wall time includes
+  evaluation and checkpoints, so the examples put their measured tok/s in the postfix."""
+  try:
+    from tqdm import tqdm
+  except ImportError:
+    return LogLines(steps)
+  return tqdm(steps, initial=steps.start - 1, total=total, desc="train", unit="step",
+              mininterval=1.0, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}"
+              " [{elapsed}<{remaining}{postfix}]")
 
 
 def params_digest(params: Any) -> str:

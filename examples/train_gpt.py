@@ -11,9 +11,11 @@ The model is split into layers (embedding, N transformer blocks, head + loss), e
 into a pure function by `jaxgraph.flax.nnx_layer` and captured by one `jaxgraph.make_graphed`
 call: identical blocks compile once, dropout draws from each layer's own key stream, and a
 replay-time hook times every layer's forward and backward on the logged steps. Checkpoints
-(Orbax) hold the params, the optimizer state and each layer's key stream position, so a
-resumed run continues exactly where the interrupted one stopped. Outputs in `--out`:
-`loss.png`, `metrics.json`, `checkpoints/`.
+(Orbax, examples/common.py) hold the params, the optimizer state, each layer's key stream
+position, the loss history and a digest of every array, so a resumed run continues exactly
+where the interrupted one stopped, from the newest checkpoint that is intact. Progress: a
+tqdm bar (log lines without tqdm). Outputs in `--out`: `loss.png`, `metrics.json`,
+`checkpoints/`.
 
 The text is examples/data/corpus.txt (self-written fables, see make_corpus.py).
 
@@ -29,7 +31,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import json
 import pathlib
 import sys
 import time
@@ -43,8 +44,9 @@ from flax import nnx
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-from common import (CORPUS, Checkpoints, Corpus, Streams, params_digest, plot, run_parser,
-                    stream_keys, stream_positions)
+from common import (CORPUS, Checkpoints, Corpus, NoCheckpoint, Streams, check_resume,
+                    params_digest, plot, progress_bar, run_parser, stream_keys,
+                    stream_positions, write_json)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
@@ -290,11 +292,10 @@ def sample(model: GPT, params: Params, corpus: Corpus, chars: int, seed: int) ->
   return corpus.decode(out)
 
 
-def progress(step: int, total: int, loss: float, tokens_per_second: float,
-             ms_per_step: float) -> str:
-  filled = int(20 * step / total)
-  return (f"step {step:>5}/{total} [{'#' * filled}{'.' * (20 - filled)}] loss {loss:.4f} | "
-          f"{tokens_per_second:>9,.0f} tok/s | {ms_per_step:6.1f} ms/step")
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+  """What makes two runs the same run, by flag name (saved with each checkpoint)."""
+  return {"preset": args.preset, "steps": args.steps or PRESETS[args.preset].steps,
+          "seed": args.seed}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -308,6 +309,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if (args.steps is not None and args.steps < 1) or (
       args.stop_after is not None and args.stop_after < 1):
     parser.error("--steps and --stop-after take a number of steps >= 1")
+  for name in ("seed", "sample"):
+    if getattr(args, name) < 0:
+      parser.error(f"--{name} takes a number >= 0, got {getattr(args, name)}")
+  if args.resume:
+    total = args.steps or PRESETS[args.preset].steps
+    check_resume(parser, args.out, run_config(args), total, min(total, args.stop_after or total))
   return args
 
 
@@ -356,13 +363,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   checkpoints = Checkpoints.for_run(args.out, resume=args.resume)
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []
-  restored = checkpoints.restore(params, opt_state, layers) if args.resume else None
-  if restored is not None:
-    first, params, opt_state = restored
-    losses = json.loads(metrics_path.read_text())["losses"][:first]
-    print(f"resumed from step {first} ({checkpoints.directory})")
-  elif args.resume:
-    print("no checkpoint to resume from; starting at step 0")
+  if args.resume:
+    try:
+      restored = checkpoints.restore(params, opt_state, stream_positions(layers))
+    except NoCheckpoint as e:
+      sys.exit(f"--resume: {e}")
+    if restored is None:
+      print("no checkpoint to resume from; starting at step 0")
+    else:
+      first, params, opt_state = restored.step, restored.params, restored.opt_state
+      for layer, (base, counter) in zip(layers, restored.streams):
+        layer.seed(base, counter=counter)
+      losses = list(restored.meta["losses"])
+      print(f"resumed from step {first} ({checkpoints.directory}, digests verified)")
   if args.check:
     check_start = (jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state),
                    stream_positions(layers))
@@ -372,7 +385,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   seconds = 0.0
   tokens_per_step = preset.batch * preset.context
   mark, mark_step = time.perf_counter(), first
-  for step in range(first + 1, stop + 1):
+  bar = progress_bar(range(first + 1, stop + 1), total=total)
+  for step in bar:
     tokens, targets = corpus.batch_at(step)
     timer.armed = step % preset.log_every == 0
     params, opt_state, loss = graphed_step(layers, update, params, opt_state, tokens, targets)
@@ -386,13 +400,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       elapsed = time.perf_counter() - mark
       seconds += elapsed
       done = step - mark_step
-      print(progress(step, total, losses[-1], done * tokens_per_step / elapsed,
-                     1e3 * elapsed / done), flush=True)
+      rate, ms = done * tokens_per_step / elapsed, 1e3 * elapsed / done
+      bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:,.0f}")
+      bar.write(f"step {step:>5}/{total}: loss {losses[-1]:.4f} | {rate:>9,.0f} tok/s | "
+                f"{ms:6.1f} ms/step")
     if save:
-      checkpoints.save(step, params, opt_state, layers)
-      metrics_path.write_text(json.dumps({"step": step, "losses": losses}))
+      checkpoints.save(step, params, opt_state, stream_positions(layers),
+                       {"config": run_config(args), "losses": losses})
+      write_json(metrics_path, {"step": step, "losses": losses})
     if log:
       mark, mark_step = time.perf_counter(), step  # checkpoint time is not training time
+  bar.close()
   timer.armed = False
 
   run_steps = stop - first
@@ -425,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "the math is bitwise the same (tests/test_flax.py).")
 
   plot(losses, args.out / "loss.png", f"char GPT ({args.preset}), graphed per layer")
-  metrics_path.write_text(json.dumps(result, indent=1))
+  write_json(metrics_path, result, indent=1)
   print(f"final loss {result['final_loss']:.4f} after step {stop}; "
         f"{result['tokens_per_second'] or 0:,.0f} tok/s; wrote {args.out / 'loss.png'}, "
         f"{metrics_path}, {checkpoints.directory}")

@@ -4,8 +4,11 @@
   PYTHONPATH=. python examples/llama/train.py --preset tiny   # 12 steps, mostly compiling (CI)
   PYTHONPATH=. python examples/llama/train.py --preset gpu    # one GPU; also times one
                                                               # whole-step jax.jit of the model
+  PYTHONPATH=. python examples/llama/train.py --preset gpu-1b # ~1B params on one 80 GB GPU
   ... --stop-after 40, then the same command with --resume    # bitwise the uninterrupted run
-  ... --check           # the same steps under one whole-step jax.jit, compared
+  ... --check           # the same steps under one whole-step jax.jit, compared and timed
+  ... --whole-step      # the same training loop through one whole-step jax.jit instead
+  ... --rounds 5 --round-steps 40   # how tokens/s is measured (steady-state rounds)
   ... --plain-ends      # embedding and head under plain jax.jit instead of graphed
   ... --untied --dropout 0 --microbatches 4 --dtype float32
   ... --flat            # each part's params as flat buffers (jg.flat): fewer leaves per call
@@ -14,10 +17,11 @@ Training: fp32 master params and bf16 compute inside each layer; Optax AdamW wit
 the norms, global-norm clipping, a warmup-cosine schedule; gradient accumulation over
 microbatches; a held-out loss every `eval_every` steps through a forward-only
 (`inference_only=True`) capture of the layers; Orbax checkpoints holding each layer's key-stream
-position; a tqdm bar; `loss.png` (train and held-out) and `metrics.json` in `--out`. Then
-generation with a KV cache: a prefill and a one-token decode, two signatures, each captured
-once, the blocks donating their cache (updated in place, not copied), and the decode loop
-asserted not to compile. docs/llama.md walks through it.
+position, the run's config, the loss history and a digest of every array, verified on resume;
+a tqdm bar; tokens/s measured in steady-state rounds; `loss.png` (train and held-out) and
+`metrics.json` in `--out`. Then generation with a KV cache: a prefill and a one-token decode,
+two signatures, each captured once, the blocks donating their cache (updated in place, not
+copied), and the decode loop asserted not to compile. docs/llama.md walks through it.
 """
 
 from __future__ import annotations
@@ -25,50 +29,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
+import math
 import pathlib
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 import jaxgraph as jg
+import jaxgraph.rng
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # examples/common.py
-from common import (CORPUS, Checkpoints, Corpus, Streams, params_digest, plot,  # noqa: E402
-                    run_parser, stream_keys, stream_positions)
+from common import (CORPUS, Checkpoints, Corpus, NoCheckpoint, Streams,  # noqa: E402
+                    check_resume, params_digest, plot, progress_bar, run_parser,
+                    stream_positions, write_json)
 from model import Cache, Config, Llama  # noqa: E402
-
-try:
-  from tqdm import tqdm
-except ImportError:  # tqdm is optional (the "examples" extra): then the log lines only
-
-  class tqdm:  # noqa: N801 (tqdm's name)
-    """The part of tqdm's interface used here, without a bar."""
-
-    def __init__(self, iterable: Any, **_: Any):
-      self._iterable = iterable
-
-    def __iter__(self) -> Any:
-      return iter(self._iterable)
-
-    def set_postfix(self, **_: Any) -> None:
-      pass
-
-    def write(self, line: str) -> None:
-      print(line, flush=True)
-
-    def close(self) -> None:
-      pass
-
 
 Params = list[Any]  # one nnx.State per part (embedding, blocks..., head); FlatTrees with --flat
 Layer = Any  # a jg.GraphedCallable, or a PlainLayer with --plain-ends
+Batches = Sequence[tuple[jax.Array, jax.Array]]  # one (tokens, targets) per microbatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,21 +73,40 @@ class Preset:
   eval_batches: int
   checkpoint_every: int
   attention: str | None = None  # jax.nn.dot_product_attention implementation (training)
-  check: bool = False           # run --check by default (the GPU preset: both throughputs)
+  check: bool = False           # run --check by default (the GPU presets: both throughputs)
+  # Tokens/s: after a warm-up of `round_steps` untimed steps, rounds of `round_steps` steps
+  # between device syncs; --check times `rounds` rounds of each step, alternating.
+  rounds: int = 3
+  round_steps: int = 10
 
 
 PRESETS = {
     "tiny": Preset(context=32, width=32, depth=2, heads=4, kv_heads=2, hidden=64, batch=8,
                    microbatches=2, steps=12, learning_rate=3e-3, dropout=0.1, eval_every=6,
-                   eval_batches=2, checkpoint_every=10),
+                   eval_batches=2, checkpoint_every=10, rounds=2, round_steps=3),
     "cpu": Preset(context=64, width=128, depth=4, heads=4, kv_heads=2, hidden=352, batch=16,
                   microbatches=2, steps=250, learning_rate=3e-3, dropout=0.1, eval_every=50,
-                  eval_batches=4, checkpoint_every=100),
+                  eval_batches=4, checkpoint_every=100, rounds=3, round_steps=10),
     "gpu": Preset(context=512, width=768, depth=12, heads=12, kv_heads=4, hidden=2048,
                   batch=16, microbatches=2, steps=300, learning_rate=6e-4, dropout=0.1,
                   eval_every=100, eval_batches=8, checkpoint_every=150, attention="cudnn",
-                  check=True),
+                  check=True, rounds=5, round_steps=40),
+    # ~1.04B params (TinyLlama's shape: with a character vocabulary the embedding is tiny, so
+    # 22 blocks of 47.2M), 16,384 tokens a step as `gpu`; memory in docs/llama.md.
+    "gpu-1b": Preset(context=2048, width=2048, depth=22, heads=16, kv_heads=8, hidden=5632,
+                     batch=4, microbatches=2, steps=200, learning_rate=3e-4, dropout=0.0,
+                     eval_every=100, eval_batches=4, checkpoint_every=200, attention="cudnn",
+                     check=True, rounds=5, round_steps=40),
 }
+
+
+def model_config(preset: Preset, vocab: int, *, untied: bool = False,
+                 dtype: str = "bfloat16") -> Config:
+  """The model's `Config` for `preset` (and the --untied, --dtype flags)."""
+  return Config(vocab=vocab, width=preset.width, depth=preset.depth, heads=preset.heads,
+                kv_heads=preset.kv_heads, hidden=preset.hidden, dropout=preset.dropout,
+                tie_embeddings=not untied, compute_dtype=jnp.dtype(dtype),
+                attention=None if preset.attention == "xla" else preset.attention)
 
 
 # --------------------------------------------------------------------------------- layers
@@ -209,7 +213,8 @@ def optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
 
 
 class Trainer:
-  """The graphed training step and the pieces it shares with the whole-step reference."""
+  """The graphed training step: forwards and backwards replayed per layer, accumulated over
+  the microbatches, one optimizer update (`step`)."""
 
   def __init__(self, layers: Sequence[Layer], config: Config, tx: optax.GradientTransformation,
                microbatches: int, params: Params, opt_state: Any):
@@ -256,6 +261,15 @@ class Trainer:
     """One optimizer step over `batches`: (params, opt_state, mean loss)."""
     return self.apply(self.grads(params, batches, positions), opt_state, params)
 
+  def streams(self) -> Streams:
+    """The graphed layers' key-stream positions (for a checkpoint)."""
+    return stream_positions(graphed(self.layers))
+
+  def seed(self, streams: Streams) -> None:
+    """Sets the graphed layers' key streams (from a checkpoint)."""
+    for layer, (base, counter) in zip(graphed(self.layers), streams):
+      layer.seed(base, counter=counter)
+
 
 def step_batches(corpus: Corpus, step: int, microbatches: int
                  ) -> list[tuple[jax.Array, jax.Array]]:
@@ -275,12 +289,33 @@ def evaluate(layers: Sequence[Layer], params: Params, config: Config, corpus: Co
   return float(jnp.mean(jnp.stack(losses)))
 
 
-# ------------------------------------------------------------------- whole-step reference
+# ----------------------------------------------------------------------------- whole step
 
 
-def make_whole_step(fns: Sequence[Callable[..., Any]], trainer: Trainer) -> Any:
-  """The same step as one `jax.jit`: the same layer functions, keys, accumulation, update."""
-  config, microbatches = trainer.config, trainer.microbatches
+class Stepper(Protocol):
+  """A training step (`Trainer`: graphed; `WholeStep`: one jax.jit) with its key streams."""
+
+  microbatches: int
+
+  def step(self, params: Params, opt_state: Any, batches: Batches, positions: jax.Array
+           ) -> tuple[Params, Any, jax.Array]: ...
+
+  def streams(self) -> Streams: ...
+
+  def seed(self, streams: Streams) -> None: ...
+
+
+def make_whole_step(fns: Sequence[Callable[..., Any]], config: Config,
+                    tx: optax.GradientTransformation, microbatches: int,
+                    block_streams: range) -> tuple[Callable[..., Grads], Callable[..., Any]]:
+  """The same step as one `jax.jit`: the same layer functions, keys, accumulation, update.
+
+  The keys are drawn inside, from the streams' base keys and counters (arguments, never
+  constants), as the graphed layers draw theirs: block i's key in microbatch m is the one its
+  stream `block_streams[i]` draws m draws on. Returns `(grads, step)`: the summed grads and
+  loss of one step under `jax.jit` (--check compares them), and the jitted step, which also
+  returns the counters advanced by `microbatches`.
+  """
   embed_fn, block_fns, head_fn = fns[0], fns[1:-1], fns[-1]
 
   def loss_fn(params, tokens, targets, positions, keys):
@@ -290,122 +325,211 @@ def make_whole_step(fns: Sequence[Callable[..., Any]], trainer: Trainer) -> Any:
       x = fn(layer_params, x, positions, key=key)
     return head_fn(params[-1], x, targets, *tied_table(params, config))
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, tokens, targets, positions, keys):
+  def grads(params, batches, positions, bases, counters):
     total = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
-    for m in range(microbatches):
-      loss, grads = jax.value_and_grad(loss_fn)(params, tokens[m], targets[m], positions,
-                                                keys[m])
-      total = accumulate(total, grads, None, loss)
-    # The summed grads are returned too, for --check to compare.
-    return *apply_update(trainer.tx, microbatches, total, opt_state, params), total
+    for m, (tokens, targets) in enumerate(batches):
+      keys = [jaxgraph.rng.stream_key(s, counters[s] + m, bases[s]) for s in block_streams]
+      loss, microbatch_grads = jax.value_and_grad(loss_fn)(params, tokens, targets, positions,
+                                                           keys)
+      total = accumulate(total, microbatch_grads, None, loss)
+    return total
 
-  return step
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 5))
+  def step(params, opt_state, batches, positions, bases, counters):
+    total = grads(params, batches, positions, bases, counters)
+    return (*apply_update(tx, microbatches, total, opt_state, params),
+            counters + jnp.uint32(microbatches))
+
+  return jax.jit(grads), step
 
 
-def block_keys(streams: Streams, graph_ends: bool, offset: int, microbatches: int
-               ) -> list[list[jax.Array]]:
-  """Per microbatch, the keys the blocks' streams draw in the step `offset` steps on."""
-  keys = [stream_keys(streams, offset * microbatches + m) for m in range(microbatches)]
-  return [k[1:-1] if graph_ends else k for k in keys]
+def initial_streams(seed: int, count: int) -> Streams:
+  """The key streams `make_graphed(..., rng=jax.random.key(seed))` gives `count` callables."""
+  return [(jax.random.key(seed), 0)] * count
+
+
+class WholeStep:
+  """The training step as one `jax.jit` (--whole-step, --check), called like `Trainer`.
+
+  Its keys come from the streams the graphed layers would draw from (one base key and
+  counter per graphed layer; the blocks' are used), held on the device and advanced inside
+  the executable, so a step pays no host work for them. Compiled at construction.
+  """
+
+  def __init__(self, fns: Sequence[Callable[..., Any]], config: Config,
+               tx: optax.GradientTransformation, microbatches: int, streams: Streams,
+               graph_ends: bool, params: Params, opt_state: Any, batches: Batches,
+               positions: jax.Array):
+    self.microbatches = microbatches
+    self.seed(streams)
+    first = 1 if graph_ends else 0  # the blocks' streams (the embedding's is first)
+    self.grads, step = make_whole_step(fns, config, tx, microbatches,
+                                       range(first, first + config.depth))
+    begin = time.perf_counter()
+    self._step = step.lower(params, opt_state, batches, positions, self.bases,
+                            self.counters).compile()
+    self.compile_seconds = time.perf_counter() - begin
+
+  def step(self, params: Params, opt_state: Any, batches: Batches, positions: jax.Array
+           ) -> tuple[Params, Any, jax.Array]:
+    """One optimizer step over `batches`: (params, opt_state, mean loss); donates both."""
+    params, opt_state, loss, self.counters = self._step(params, opt_state, batches, positions,
+                                                        self.bases, self.counters)
+    return params, opt_state, loss
+
+  def streams(self) -> Streams:
+    return [(base, int(counter)) for base, counter in zip(self.bases, np.asarray(self.counters))]
+
+  def seed(self, streams: Streams) -> None:
+    self.bases = tuple(base for base, _ in streams)
+    self.counters = jnp.asarray([counter for _, counter in streams], jnp.uint32)
+
+
+class Start(NamedTuple):
+  """Where --check's rerun starts: the params and optimizer state on the host (on the device,
+  a second copy through the whole run: 12.5 GB more at gpu-1b), and the key streams."""
+
+  params: Params
+  opt_state: Any
+  streams: Streams
 
 
 def first_step_grads(trainer: Trainer, params: Params, corpus: Corpus, step: int,
                      positions: jax.Array) -> Grads:
   """The graphed grads of training step `step` (not applied); the key streams are rewound,
   so the training run that follows draws the same keys."""
-  layers = graphed(trainer.layers)
-  streams = stream_positions(layers)
+  streams = trainer.streams()
   total = trainer.grads(params, step_batches(corpus, step, trainer.microbatches), positions)
-  for layer, (base, counter) in zip(layers, streams):
-    layer.seed(base, counter=counter)
+  trainer.seed(streams)
   return total
 
 
-def compare_with_whole_step(fns: Sequence[Callable[..., Any]], trainer: Trainer,
-                            start: tuple[Params, Any, Streams], graph_ends: bool,
-                            corpus: Corpus, steps: range, positions: jax.Array,
-                            losses: Sequence[float], first_grads: Grads, params: Params
-                            ) -> dict[str, Any]:
-  """Reruns `steps` from `start` under one whole-step `jax.jit` with the same keys.
+def max_diff(a: Any, b: Any) -> float:
+  return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def compare_with_whole_step(whole: WholeStep, start: Start, corpus: Corpus, steps: range,
+                            positions: jax.Array, losses: Sequence[float], first_grads: Grads,
+                            params: Params) -> tuple[dict[str, Any], tuple[Params, Any]]:
+  """Reruns `steps` from `start` under the whole-step `jax.jit` with the same keys.
 
   Returns the differences to the graphed run (the first step's summed grads and loss,
-  `first_grads`; every step's loss; the final `params`) and the whole step's compile time
-  and throughput.
+  `first_grads`, against the whole step's under one `jax.jit`; every step's loss; the final
+  `params`) and the whole step's compile time; and the whole step's final state.
   """
-  check_params, check_state, streams = start
-  microbatches = trainer.microbatches
-
-  def inputs(offset: int) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-    batches = step_batches(corpus, steps[offset], microbatches)
-    return (jnp.stack([t for t, _ in batches]), jnp.stack([t for _, t in batches]), positions,
-            block_keys(streams, graph_ends, offset, microbatches))
-
-  begin = time.perf_counter()
-  whole_step = make_whole_step(fns, trainer).lower(check_params, check_state,
-                                                   *inputs(0)).compile()
-  compile_seconds = time.perf_counter() - begin
-
-  def max_diff(a: Params, b: Params) -> float:
-    return max(float(jnp.max(jnp.abs(x - y))) for x, y in
-               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-  # The keys are drawn before the loop (the graphed layers draw theirs on the device).
-  step_inputs = [inputs(offset) for offset in range(len(steps))]
+  check_params, check_state = jax.device_put((start.params, start.opt_state))
+  whole.seed(start.streams)
+  microbatches = whole.microbatches
+  total = whole.grads(check_params, step_batches(corpus, steps[0], microbatches), positions,
+                      whole.bases, whole.counters)
+  found: dict[str, Any] = {
+      "first_step_loss_diff": abs(float(first_grads[1]) - float(total[1])),
+      "first_step_max_grad_diff": max_diff(first_grads[0], total[0])}
+  del total
   check_losses = []
-  for offset, step_input in enumerate(step_inputs):
-    check_params, check_state, loss, total = whole_step(check_params, check_state, *step_input)
+  for step in steps:
+    check_params, check_state, loss = whole.step(
+        check_params, check_state, step_batches(corpus, step, microbatches), positions)
     check_losses.append(loss)
-    if offset == 0:
-      whole_first = total
   check_losses = [float(loss) for loss in check_losses]
-  return {
-      "first_step_loss_diff": abs(float(first_grads[1]) - float(whole_first[1])),
-      "first_step_max_grad_diff": max_diff(first_grads[0], whole_first[0]),
+  found.update({
       "max_loss_diff": max(abs(a - b) for a, b in zip(losses, check_losses)),
       "last_max_param_diff": max_diff(params, check_params),
-      "whole_step_compile_seconds": round(compile_seconds, 3),
-      "throughput": throughput_rounds(trainer, whole_step, params, check_state, corpus,
-                                      positions, step_inputs[0][3]),
-  }
+      "whole_step_compile_seconds": round(whole.compile_seconds, 3)})
+  return found, (check_params, check_state)
 
 
-def throughput_rounds(trainer: Trainer, whole_step: Any, params: Params, opt_state: Any,
-                      corpus: Corpus, positions: jax.Array, keys: Any, *, rounds: int = 3,
-                      steps: int = 10) -> dict[str, list[float]]:
-  """Tokens/s of the graphed step and of the whole-step jit, timed alternately: `rounds`
-  rounds of `steps` steps each, from copies of `params` and `opt_state` (the results are
-  dropped). Batches are made inside the timed loop for both, as in training."""
-  microbatches = trainer.microbatches
+# -------------------------------------------------------------------------------- tokens/s
+
+
+class RoundTimer:
+  """The training loop's tokens/s, measured as `throughput_rounds` measures: rounds of
+  `round_steps` steps between device syncs; the first round (the warm-up after capture or
+  resume) not counted; evaluation and checkpoints paused out of the clock.
+
+  Call `start()` before the loop, `step_done(loss)` after every step (True: a round ended
+  and the clock is stopped), `stop(loss)` before other work, `start()` after it.
+  """
+
+  def __init__(self, round_steps: int, tokens_per_step: int):
+    self.round_steps, self.tokens_per_step = round_steps, tokens_per_step
+    self.rates: list[float] = []  # tokens/s of each steady-state round
+    self.seconds = 0.0            # all training time (warm-up and the last partial round too)
+    self._steps, self._elapsed, self._since = 0, 0.0, None
+
+  def start(self) -> None:
+    self._since = time.perf_counter()
+
+  def stop(self, ready: Any) -> None:
+    if self._since is None:
+      return
+    jax.block_until_ready(ready)
+    elapsed = time.perf_counter() - self._since
+    self._elapsed += elapsed
+    self.seconds += elapsed
+    self._since = None
+
+  def step_done(self, ready: Any) -> bool:
+    self._steps += 1
+    if self._steps % self.round_steps:
+      return False
+    self.stop(ready)
+    if self._steps > self.round_steps:  # the first round is the warm-up
+      self.rates.append(round(self.round_steps * self.tokens_per_step / self._elapsed, 1))
+    self._elapsed = 0.0
+    return True
+
+
+def rate_summary(rates: Sequence[float], round_steps: int) -> dict[str, Any]:
+  """Median and spread ((max - min) / median, %) of per-round tokens/s."""
+  median = statistics.median(rates) if rates else None
+  return {"rounds": list(rates), "round_steps": round_steps, "warmup_steps": round_steps,
+          "median": median,
+          "spread_percent": round(100 * (max(rates) - min(rates)) / median, 1) if rates else None}
+
+
+def describe_rates(summary: dict[str, Any]) -> str:
+  if not summary["rounds"]:
+    return "not measured"
+  count = len(summary["rounds"])
+  return (f"{summary['median']:,.0f} tok/s (median of {count} round{'s' * (count != 1)} of "
+          f"{summary['round_steps']} steps, spread {summary['spread_percent']:.0f}%)")
+
+
+def throughput_rounds(runs: dict[str, tuple[Stepper, tuple[Params, Any]]], corpus: Corpus,
+                      positions: jax.Array, microbatches: int, rounds: int, round_steps: int
+                      ) -> dict[str, list[float]]:
+  """Tokens/s of each run's step, timed as the training loop times itself: `round_steps`
+  untimed steps each (warm-up), then `rounds` rounds of `round_steps` steps between device
+  syncs, alternating (in order in even rounds, reversed in odd ones). Each run continues from
+  its own (params, opt_state), which it consumes; batches are made inside the timed loop, as
+  in training."""
   tokens_per_step = microbatches * corpus.batch * corpus.context
-  rates: dict[str, list[float]] = {"graphed": [], "whole_step": []}
+  states = {name: state for name, (_, state) in runs.items()}
+  done = dict.fromkeys(runs, 0)
 
-  def graphed_step(state: tuple[Params, Any], step: int) -> tuple[Params, Any]:
-    new_params, new_state, _ = trainer.step(*state, step_batches(corpus, step, microbatches),
-                                            positions)
-    return new_params, new_state
+  def advance(name: str) -> None:
+    stepper, (params, opt_state) = runs[name][0], states[name]
+    for _ in range(round_steps):
+      done[name] += 1
+      params, opt_state, loss = stepper.step(
+          params, opt_state, step_batches(corpus, done[name], microbatches), positions)
+    states[name] = params, opt_state
+    jax.block_until_ready(loss)
 
-  def whole(state: tuple[Params, Any], step: int) -> tuple[Params, Any]:
-    batches = step_batches(corpus, step, microbatches)
-    new_params, new_state, _, _ = whole_step(
-        *state, jnp.stack([t for t, _ in batches]), jnp.stack([t for _, t in batches]),
-        positions, keys)
-    return new_params, new_state
-
+  for name in runs:
+    advance(name)  # warm-up, not timed
+  rates: dict[str, list[float]] = {name: [] for name in runs}
   for index in range(rounds):
-    order = [("graphed", graphed_step), ("whole_step", whole)]
-    for name, run in (order if index % 2 == 0 else order[::-1]):
-      state = (jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state))
-      state = jax.block_until_ready(run(state, 0))  # not timed: one step to settle
+    for name in (list(runs) if index % 2 == 0 else list(runs)[::-1]):
       begin = time.perf_counter()
-      for step in range(1, steps + 1):
-        state = run(state, step)
-      jax.block_until_ready(state)
-      rates[name].append(round(steps * tokens_per_step / (time.perf_counter() - begin), 1))
+      advance(name)
+      rates[name].append(round(round_steps * tokens_per_step / (time.perf_counter() - begin), 1))
   return rates
 
 
-def report_check(found: dict[str, Any], graphed_rate: float, compute_dtype: Any,
+def report_check(found: dict[str, Any], loop: dict[str, Any], compute_dtype: Any,
                  steps: int) -> None:
   """Prints what `compare_with_whole_step` found, why it is not bitwise, both throughputs."""
   bitwise = found["first_step_loss_diff"] == 0 and found["first_step_max_grad_diff"] == 0
@@ -424,12 +548,54 @@ def report_check(found: dict[str, Any], graphed_rate: float, compute_dtype: Any,
     print(f"  Not bitwise: the whole step fuses across layer boundaries, {why}. See "
           "docs/llama.md.")
   rates = found["throughput"]
-  graphed, whole = (statistics.median(rates[k]) for k in ("graphed", "whole_step"))
-  spread = lambda k: 100 * (max(rates[k]) - min(rates[k])) / statistics.median(rates[k])
-  print(f"tokens/s, {len(rates['graphed'])} alternating rounds (median, spread): graphed "
-        f"{graphed:,.0f} ({spread('graphed'):.0f}%), whole-step jax.jit {whole:,.0f} "
-        f"({spread('whole_step'):.0f}%), graphed/whole-step {graphed / whole:.3f} "
-        f"(the training loop above: {graphed_rate:,.0f} graphed)")
+  graphed, whole = (rate_summary(rates[k], found["round_steps"]) for k in ("graphed", "whole_step"))
+  print(f"tokens/s, steady state ({len(rates['graphed'])} alternating rounds of "
+        f"{found['round_steps']} steps each, after {found['round_steps']} untimed warm-up "
+        f"steps; median, spread): graphed {graphed['median']:,.0f} "
+        f"({graphed['spread_percent']:.0f}%), whole-step jax.jit {whole['median']:,.0f} "
+        f"({whole['spread_percent']:.0f}%), graphed/whole-step "
+        f"{graphed['median'] / whole['median']:.3f}; the training loop above: "
+        f"{describe_rates(loop)}, graphed")
+
+
+# --------------------------------------------------------------------------------- memory
+
+
+def state_bytes(count: int) -> int:
+  """Device bytes of the training state of `count` float32 params: the params, AdamW's two
+  moments, the summed grads and one microbatch's grads (5 x 4 bytes a param)."""
+  return 5 * 4 * count
+
+
+def memory_estimate(preset: Preset, vocab: int) -> dict[str, int]:
+  """What a training step of `preset` needs on the device, estimated on any machine.
+
+  The params are counted on the abstract model (`nnx.eval_shape`: nothing allocated). The
+  residuals are those `jax.vjp` of one block keeps for its backward, traced abstractly for
+  one microbatch, times the depth; with cuDNN attention without the (batch, heads, length,
+  length) arrays of XLA's attention, which flash attention does not keep (it keeps
+  (batch, heads, length) softmax statistics). jaxgraph's own count after capture is
+  `Stats.residual_bytes` (printed by `main`).
+  """
+  config = model_config(dataclasses.replace(preset, attention="xla"), vocab)
+  model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  fn, params = jg.flax.nnx_layer(model.blocks[0], rngs_argument="rngs")
+  x = jax.ShapeDtypeStruct((preset.batch, preset.context, config.width), config.compute_dtype)
+  positions = jax.ShapeDtypeStruct((preset.context,), jnp.int32)
+
+  def residuals(params: Any, x: jax.Array, positions: jax.Array) -> Any:
+    return jax.vjp(lambda p, x: fn(p, x, positions, key=jax.random.key(0)), params, x)[1]
+
+  flash = preset.attention == "cudnn"
+  leaves = jax.tree.leaves(jax.eval_shape(residuals, params, x, positions))
+  block = sum(math.prod(s.shape) * s.dtype.itemsize for s in leaves
+              if not (flash and len(s.shape) >= 4
+                      and s.shape[-2:] == (preset.context, preset.context)))
+  if flash:
+    block += preset.batch * preset.heads * preset.context * 4
+  return {"params": count, "state_bytes": state_bytes(count),
+          "residual_bytes": block * preset.depth}
 
 
 # ----------------------------------------------------------------------------- generation
@@ -520,15 +686,46 @@ def write_sample(model: Llama, fns: Sequence[Callable[..., Any]], params: Params
 # ----------------------------------------------------------------------------------- main
 
 
+def resolve(args: argparse.Namespace) -> Preset:
+  """The preset with the flags that override it."""
+  return dataclasses.replace(PRESETS[args.preset], **{
+      name: value for name, value in (("dropout", args.dropout),
+                                       ("microbatches", args.microbatches),
+                                       ("attention", args.attention),
+                                       ("rounds", args.rounds),
+                                       ("round_steps", args.round_steps)) if value is not None})
+
+
+def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
+  """What makes two runs the same run, by flag name: saved with every checkpoint, and
+  compared by --resume (how tokens/s is measured, --check and generation are left out)."""
+  return {"preset": args.preset, "steps": args.steps or preset.steps, "seed": args.seed,
+          "dropout": preset.dropout, "microbatches": preset.microbatches,
+          "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
+          "plain_ends": args.plain_ends, "flat": args.flat, "whole_step": args.whole_step}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
+  """The flags, checked before anything is built or removed (argparse errors), and with
+  --resume against the checkpoint's step and config."""
   parser = run_parser(__doc__.split("\n\n")[0], PRESETS)
   parser.add_argument("--check", action=argparse.BooleanOptionalAction,
-                      help="also run the steps under one whole-step jax.jit and compare "
-                           "(default: on for --preset gpu)")
+                      help="also run the steps under one whole-step jax.jit, compare, and time "
+                           "both in alternating rounds (default: on for the gpu presets)")
+  parser.add_argument("--whole-step", action="store_true",
+                      help="train through one whole-step jax.jit of the same layer functions "
+                           "instead of the graphed layers: the same loop, keys, checkpoints "
+                           "and tokens/s measurement, to compare with a graphed run")
+  parser.add_argument("--rounds", type=int,
+                      help="--check: timed rounds of each step (default: the preset's)")
+  parser.add_argument("--round-steps", type=int,
+                      help="steps per timed round, and untimed warm-up steps before the first "
+                           "(default: the preset's)")
   parser.add_argument("--plain-ends", action="store_true",
                       help="embedding and head under plain jax.jit instead of graphed")
   parser.add_argument("--untied", action="store_true", help="a head matrix of its own")
-  parser.add_argument("--dropout", type=float, help="residual dropout rate (default: preset)")
+  parser.add_argument("--dropout", type=float,
+                      help="residual dropout rate in [0, 1) (default: the preset's)")
   parser.add_argument("--microbatches", type=int, help="per step (default: the preset's)")
   parser.add_argument("--flat", action="store_true",
                       help="each part's params as flat buffers (jg.flat.ravel), one per "
@@ -537,53 +734,65 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                       help="compute dtype (params are float32 either way)")
   parser.add_argument("--attention", choices=("xla", "cudnn"),
                       help="dot_product_attention implementation (default: the preset's)")
-  parser.add_argument("--generate", type=int, default=48, help="tokens to generate at the end")
+  parser.add_argument("--generate", type=int, default=48,
+                      help="tokens to generate at the end (at most half the context; 0: none)")
   parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/llama"))
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seed", type=int, default=0, help="params, batches and dropout keys")
   args = parser.parse_args(argv)
-  for name in ("steps", "stop_after", "microbatches"):
+  for name in ("steps", "stop_after", "microbatches", "rounds", "round_steps"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} takes a number >= 1")
+      parser.error(f"--{name.replace('_', '-')} takes a number >= 1, got {getattr(args, name)}")
+  for name in ("seed", "generate"):
+    if getattr(args, name) < 0:
+      parser.error(f"--{name} takes a number >= 0, got {getattr(args, name)}")
+  if not args.temperature >= 0:
+    parser.error(f"--temperature takes a number >= 0 (0: greedy), got {args.temperature}")
+  if args.dropout is not None and not 0 <= args.dropout < 1:
+    parser.error(f"--dropout takes a rate in [0, 1), got {args.dropout}")
+  if args.whole_step and args.check:
+    parser.error("--check compares the graphed step with the whole-step jax.jit; with "
+                 "--whole-step there is no graphed step: drop one of them")
+  preset = resolve(args)
+  if preset.attention == "cudnn" and args.dtype != "bfloat16":
+    parser.error("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
+                 "--attention xla")
+  if args.resume:
+    total = args.steps or preset.steps
+    check_resume(parser, args.out, run_config(args, preset), total,
+                 min(total, args.stop_after or total))
   return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse(argv)
-  preset = PRESETS[args.preset]
-  preset = dataclasses.replace(preset, **{
-      name: value for name, value in (("dropout", args.dropout),
-                                       ("microbatches", args.microbatches),
-                                       ("attention", args.attention)) if value is not None})
-  if preset.attention == "cudnn" and args.dtype != "bfloat16":
-    sys.exit("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
-             "--attention xla")
-  check = preset.check if args.check is None else args.check
+  preset = resolve(args)
+  check = (preset.check and not args.whole_step) if args.check is None else args.check
   total = args.steps or preset.steps
   stop = min(total, args.stop_after or total)
   graph_ends = not args.plain_ends
+  mode = "whole-step jax.jit" if args.whole_step else "graphed"
   args.out.mkdir(parents=True, exist_ok=True)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; preset {args.preset}: {preset}")
 
   corpus = Corpus(CORPUS, preset.context, preset.batch, args.seed, held_out=0.1)
-  config = Config(vocab=len(corpus.chars), width=preset.width, depth=preset.depth,
-                  heads=preset.heads, kv_heads=preset.kv_heads, hidden=preset.hidden,
-                  dropout=preset.dropout, tie_embeddings=not args.untied,
-                  compute_dtype=jnp.dtype(args.dtype),
-                  attention=None if preset.attention == "xla" else preset.attention)
+  config = model_config(preset, len(corpus.chars), untied=args.untied, dtype=args.dtype)
   model = Llama(config, rngs=nnx.Rngs(params=args.seed))
 
   fns, params = split(model)
-  print(f"{sum(x.size for x in jax.tree.leaves(params)):,} params ({len(params)} parts), "
-        f"vocab {config.vocab}, {len(corpus.ids):,} training and "
-        f"{len(corpus.held_out_ids):,} held-out characters")
+  count = sum(x.size for x in jax.tree.leaves(params))
+  print(f"{count:,} params ({len(params)} parts), vocab {config.vocab}, {len(corpus.ids):,} "
+        f"training and {len(corpus.held_out_ids):,} held-out characters; training state "
+        f"{state_bytes(count) / 1e9:.2f} GB (float32 params, AdamW moments, summed grads, one "
+        "microbatch's grads)")
   if args.flat:  # from here on params, grads and the optimizer state are FlatTrees
     params = [jg.flat.ravel(p, group=flat_group) for p in params]
     print(f"params held flat: {len(jax.tree.leaves(params))} buffers for "
           f"{sum(len(p.layout.slots) for p in params)} leaves")
 
-  # Capture. Training: forward + backward, dropout keys from each layer's stream. Eval: a
-  # forward-only copy of the same functions without keys (dropout off), for the same shapes.
+  # Capture. Training: forward + backward, dropout keys from each layer's stream (not with
+  # --whole-step, which trains through one jax.jit). Eval: a forward-only copy of the same
+  # functions without keys (dropout off), for the same shapes.
   tokens = jax.ShapeDtypeStruct((preset.batch, preset.context), jnp.int32)
   x = jax.ShapeDtypeStruct((preset.batch, preset.context, config.width), config.compute_dtype)
   positions = jnp.arange(preset.context)
@@ -591,102 +800,148 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   sample_args = ([(params[0], tokens)] + [(p, x, positions) for p in params[1:-1]]
                  + [(params[-1], x, tokens, *table)])
   begin = time.perf_counter()
-  train_layers = build_layers(fns, sample_args, graph_ends=graph_ends,
-                              rng=jax.random.key(args.seed))
+  train_layers = (None if args.whole_step else
+                  build_layers(fns, sample_args, graph_ends=graph_ends,
+                               rng=jax.random.key(args.seed)))
   eval_layers = build_layers(fns, sample_args, graph_ends=graph_ends, inference_only=True)
   capture_seconds = time.perf_counter() - begin
-  print(f"captured training and eval layers in {capture_seconds:.1f} s (incl. warmup)"
+  print(f"captured {'eval' if args.whole_step else 'training and eval'} layers in "
+        f"{capture_seconds:.1f} s (incl. warmup)"
         + ("" if graph_ends else "; embedding and head run under plain jax.jit"))
-  for kind, layers in (("train", train_layers), ("eval", eval_layers)):
+  kinds = [("eval", eval_layers)] + ([] if train_layers is None else [("train", train_layers)])
+  for kind, layers in kinds[::-1]:
     for layer in graphed(layers):
       s = layer.stats
       print(f"  {kind:<5} {layer.name:<12} captures {s.captures}  cache hits {s.cache_hits}  "
             f"compiles {s.compiles}  compile {s.compile_seconds:.2f} s")
+  if train_layers is not None:
+    kept = sum(layer.stats.residual_bytes for layer in graphed(train_layers))
+    print(f"  one microbatch's graphed forwards keep {kept / 1e9:.3f} GB of residuals for their "
+          "backwards (Stats.residual_bytes)")
 
   tx = optimizer(preset, total)
   opt_state = tx.init(params)
-  trainer = Trainer(train_layers, config, tx, preset.microbatches, params, opt_state)
+  streams = initial_streams(args.seed, config.depth + 2 if graph_ends else config.depth)
+  trainer: Stepper
+  if args.whole_step:
+    trainer = WholeStep(fns, config, tx, preset.microbatches, streams, graph_ends, params,
+                        opt_state, step_batches(corpus, 0, preset.microbatches), positions)
+    print(f"--whole-step: training through one whole-step jax.jit (compiled in "
+          f"{trainer.compile_seconds:.1f} s)")
+  else:
+    trainer = Trainer(train_layers, config, tx, preset.microbatches, params, opt_state)
 
   checkpoints = Checkpoints.for_run(args.out, resume=args.resume)
   metrics_path = args.out / "metrics.json"
   first, losses, eval_losses = 0, [], []
-  restored = checkpoints.restore(params, opt_state, graphed(train_layers)) if args.resume else None
-  if restored is not None:
-    first, params, opt_state = restored
-    metrics = json.loads(metrics_path.read_text())
-    losses = metrics["losses"][:first]
-    eval_losses = [(s, l) for s, l in metrics["eval_losses"] if s <= first]
-    print(f"resumed from step {first} ({checkpoints.directory})")
-  elif args.resume:
-    print("no checkpoint to resume from; starting at step 0")
+  if args.resume:
+    try:
+      restored = checkpoints.restore(params, opt_state, trainer.streams())
+    except NoCheckpoint as e:
+      sys.exit(f"--resume: {e}")
+    if restored is None:
+      print("no checkpoint to resume from; starting at step 0")
+    else:
+      first, params, opt_state = restored.step, restored.params, restored.opt_state
+      trainer.seed(restored.streams)
+      losses = list(restored.meta["losses"])
+      eval_losses = [(step, loss) for step, loss in restored.meta["eval_losses"]]
+      assert len(losses) == first, f"step {first} holds {len(losses)} losses"
+      print(f"resumed from step {first} ({checkpoints.directory}, digests verified)")
   if check:
-    check_start = (jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state),
-                   stream_positions(graphed(train_layers)))
-    first_grads = first_step_grads(trainer, params, corpus, first + 1, positions)
+    check_start = Start(jax.device_get(params), jax.device_get(opt_state), trainer.streams())
+    first_grads = jax.device_get(first_step_grads(trainer, params, corpus, first + 1,
+                                                  positions))
 
-  # Training. Losses stay on the device until a log point reads them; eval and checkpoint
-  # time is not counted as training time.
+  # Training. Losses stay on the device until a round ends or an eval or checkpoint reads
+  # them; tokens/s is measured per round of steps, without eval and checkpoint time.
   tokens_per_step = preset.microbatches * preset.batch * preset.context
+  timer = RoundTimer(preset.round_steps, tokens_per_step)
   pending: list[jax.Array] = []
-  seconds, mark = 0.0, time.perf_counter()
-  bar = tqdm(range(first + 1, stop + 1), initial=first, total=total, desc="train",
-             unit="step", mininterval=1.0)
+  bar = progress_bar(range(first + 1, stop + 1), total=total)
+  timer.start()
   for step in bar:
     params, opt_state, loss = trainer.step(params, opt_state,
                                            step_batches(corpus, step, preset.microbatches),
                                            positions)
     pending.append(loss)
+    round_ended = timer.step_done(loss)
     evaluate_now = step % preset.eval_every == 0 or step == total
     save = step % preset.checkpoint_every == 0 or step == stop
-    if not (evaluate_now or save or step % 10 == 0):
+    if not (round_ended or evaluate_now or save):
       continue
+    timer.stop(loss)  # eval, checkpoints and log lines are not training time
     losses.extend(float(l) for l in pending)
     pending.clear()
-    seconds += time.perf_counter() - mark
-    rate = (step - first) * tokens_per_step / seconds
-    bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{rate:,.0f}")
+    bar.set_postfix(loss=f"{losses[-1]:.4f}",
+                    tok_s=f"{timer.rates[-1]:,.0f}" if timer.rates else "(warm-up)")
     if evaluate_now:
       eval_losses.append((step, evaluate(eval_layers, params, config, corpus,
                                          preset.eval_batches, positions)))
       bar.write(f"step {step:>5}: train loss {losses[-1]:.4f}, held-out loss "
                 f"{eval_losses[-1][1]:.4f}")
     if save:
-      checkpoints.save(step, params, opt_state, graphed(train_layers))
-      metrics_path.write_text(json.dumps({"step": step, "losses": losses,
-                                          "eval_losses": eval_losses}))
-    mark = time.perf_counter()
+      history = {"losses": losses, "eval_losses": eval_losses}
+      checkpoints.save(step, params, opt_state, trainer.streams(),
+                       {"config": run_config(args, preset), **history})
+      write_json(metrics_path, {"step": step, **history})  # for reading; resume needs not
+    timer.start()
   bar.close()
 
   run_steps = stop - first
+  loop = rate_summary(timer.rates, preset.round_steps)
   result: dict[str, Any] = {
-      "preset": args.preset, "step": stop, "losses": losses, "eval_losses": eval_losses,
-      "final_loss": losses[-1], "train_seconds": round(seconds, 3),
-      "capture_seconds": round(capture_seconds, 3),
-      "tokens_per_second": round(run_steps * tokens_per_step / seconds, 1) if seconds else None,
+      "preset": args.preset, "mode": "whole_step" if args.whole_step else "graphed",
+      "config": run_config(args, preset), "params": count, "step": stop, "losses": losses,
+      "eval_losses": eval_losses, "final_loss": losses[-1] if losses else None,
+      "train_seconds": round(timer.seconds, 3), "capture_seconds": round(capture_seconds, 3),
+      "tokens_per_second": loop["median"], "throughput": {"loop": loop},
       "params_sha256": params_digest(params),
       "stats": {f"{kind} {layer.name}": layer.stats._asdict()
-                for kind, layers in (("train", train_layers), ("eval", eval_layers))
-                for layer in graphed(layers)},
+                for kind, layers in kinds for layer in graphed(layers)},
   }
-  held_out = f", held-out {eval_losses[-1][1]:.4f}" if eval_losses else ""
-  print(f"trained steps {first + 1}-{stop}: final loss {losses[-1]:.4f}{held_out}; "
-        f"{result['tokens_per_second'] or 0:,.0f} tok/s graphed ({seconds:.1f} s of training)")
+  if run_steps:
+    held_out = f", held-out {eval_losses[-1][1]:.4f}" if eval_losses else ""
+    rate = (f"{describe_rates(loop)} {mode}, after {preset.round_steps} untimed warm-up "
+            "steps; evaluation and checkpoints not counted" if loop["rounds"] else
+            f"tok/s not measured: {run_steps} steps, fewer than a warm-up round and a timed "
+            f"round of --round-steps {preset.round_steps}")
+    print(f"trained steps {first + 1}-{stop} ({timer.seconds:.1f} s of training): final loss "
+          f"{losses[-1]:.4f}{held_out}; {rate}")
+  else:
+    print(f"the checkpoint is at step {stop}, the run's last: nothing left to train")
 
   if check and run_steps:
-    found = compare_with_whole_step(fns, trainer, check_start, graph_ends, corpus,
-                                    range(first + 1, stop + 1), positions, losses[first:],
-                                    first_grads, params)
+    whole = WholeStep(fns, config, tx, preset.microbatches, check_start.streams, graph_ends,
+                      check_start.params, check_start.opt_state,
+                      step_batches(corpus, 0, preset.microbatches), positions)
+    found, whole_state = compare_with_whole_step(whole, check_start, corpus,
+                                                 range(first + 1, stop + 1), positions,
+                                                 losses[first:], first_grads, params)
+    del check_start, first_grads
+    # Both continue from their final states (the run's optimizer state is consumed: the
+    # checkpoint is written; generation needs the params only).
+    found["throughput"] = throughput_rounds(
+        {"graphed": (trainer, (params, opt_state)), "whole_step": (whole, whole_state)},
+        corpus, positions, preset.microbatches, preset.rounds, preset.round_steps)
+    found["round_steps"] = preset.round_steps
+    del opt_state, whole_state
     result["check"] = found
-    report_check(found, result["tokens_per_second"], config.compute_dtype, run_steps)
+    result["throughput"]["check"] = {k: rate_summary(v, preset.round_steps)
+                                     for k, v in found["throughput"].items()}
+    report_check(found, loop, config.compute_dtype, run_steps)
 
-  plot(losses, args.out / "loss.png", f"Llama ({args.preset}), blocks graphed", eval_losses)
-  metrics_path.write_text(json.dumps(result, indent=1))
+  if losses:
+    plot(losses, args.out / "loss.png",
+         f"Llama ({args.preset}), {'whole-step jax.jit' if args.whole_step else 'blocks graphed'}",
+         eval_losses)
+  write_json(metrics_path, result, indent=1)
 
   if args.generate:
     result["generation"] = write_sample(model, fns, params, corpus, graph_ends,
                                         min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
-    metrics_path.write_text(json.dumps(result, indent=1))
+    write_json(metrics_path, result, indent=1)
   print(f"wrote {args.out / 'loss.png'}, {metrics_path}, {checkpoints.directory}")
   return result
 
