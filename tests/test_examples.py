@@ -92,7 +92,8 @@ def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, e
   # Without excess precision XLA rounds every bf16 value where the program says, also inside
   # one whole-step executable: then the first step is bitwise that of the whole-step jit.
   env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false"}
-  common = ["--preset", "tiny", "--steps", "12", "--generate", "8"]
+  common = ["--preset", "tiny", "--steps", "12", "--generate", "8", "--no-flat",
+            "--residuals", "all"]  # the defaults are flat and recompute: the other test
   whole, parts = tmp_path / "whole", tmp_path / "parts"
   out = _run("llama/train.py", env, *common, "--out", str(whole), "--check", "--rounds", "3",
              "--round-steps", "2")
@@ -147,7 +148,7 @@ def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, e
 
 def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, env):
   env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false"}
-  common = ["--preset", "tiny", "--steps", "12", "--generate", "4", "--flat"]
+  common = ["--preset", "tiny", "--steps", "12", "--generate", "4"]  # flat, recompute: the defaults
   whole, parts = tmp_path / "whole", tmp_path / "parts"
   out = _run("llama/train.py", env, *common, "--out", str(whole), "--check")
   assert "params held flat: 6 buffers for 20 leaves" in out  # decay / no_decay per part
@@ -348,9 +349,9 @@ def test_llama_resume_checks_the_checkpoints_step_and_config(llama, common, caps
   assert "at step 30, past --steps 12: pass --steps 30 or more" in refused("--steps", "12")
   assert "--stop-after 20 is not after the checkpoint's step 30" in refused(
       "--steps", "40", "--stop-after", "20")
-  err = refused("--steps", "40", "--dropout", "0", "--flat")
-  assert ("--dropout 0.0 (the checkpoint's run: 0.1), --flat True (the checkpoint's run: "
-          "False)") in err
+  err = refused("--steps", "40", "--dropout", "0", "--no-flat")
+  assert ("--dropout 0.0 (the checkpoint's run: 0.1), --flat False (the checkpoint's run: "
+          "True)") in err
   assert "--whole-step True" in refused("--steps", "40", "--whole-step")
   llama.parse([*run, "--steps", "40", "--rounds", "7"])  # measuring differently is the same run
 

@@ -11,7 +11,8 @@
   ... --rounds 5 --round-steps 40   # how tokens/s is measured (steady-state rounds)
   ... --plain-ends      # embedding and head under plain jax.jit instead of graphed
   ... --untied --dropout 0 --microbatches 4 --dtype float32
-  ... --flat            # each part's params as flat buffers (jg.flat): fewer leaves per call
+  ... --no-flat         # params as pytrees instead of flat buffers (jg.flat, the default)
+  ... --residuals all   # keep every jax.vjp residual (default: recompute elementwise ones)
 
 Training: fp32 master params and bf16 compute inside each layer; Optax AdamW without decay on
 the norms, global-norm clipping, a warmup-cosine schedule; gradient accumulation over
@@ -50,6 +51,10 @@ from common import (CORPUS, Checkpoints, Corpus, NoCheckpoint, Streams,  # noqa:
                     check_resume, params_digest, plot, progress_bar, run_parser,
                     stream_positions, write_json)
 from model import Cache, Config, Llama  # noqa: E402
+
+# --residuals: the graphed layers' `make_graphed(..., remat_policy=...)`.
+RESIDUAL_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "recompute": jg.residuals.recompute_elementwise, "all": None}
 
 Params = list[Any]  # one nnx.State per part (embedding, blocks..., head); FlatTrees with --flat
 Layer = Any  # a jg.GraphedCallable, or a PlainLayer with --plain-ends
@@ -307,30 +312,38 @@ class Stepper(Protocol):
 
 def make_whole_step(fns: Sequence[Callable[..., Any]], config: Config,
                     tx: optax.GradientTransformation, microbatches: int,
-                    block_streams: range) -> tuple[Callable[..., Grads], Callable[..., Any]]:
+                    block_streams: range, remat_policy: Callable[..., bool] | None = None,
+                    graph_ends: bool = True
+                    ) -> tuple[Callable[..., Grads], Callable[..., Any]]:
   """The same step as one `jax.jit`: the same layer functions, keys, accumulation, update.
 
   The keys are drawn inside, from the streams' base keys and counters (arguments, never
   constants), as the graphed layers draw theirs: block i's key in microbatch m is the one its
   stream `block_streams[i]` draws m draws on. Returns `(grads, step)`: the summed grads and
   loss of one step under `jax.jit` (--check compares them), and the jitted step, which also
-  returns the counters advanced by `microbatches`.
+  returns the counters advanced by `microbatches`. With `remat_policy` (the graphed layers'
+  --residuals), the grads run each graphed part (the ends too unless `graph_ends` is False)
+  under `jax.checkpoint` with it: the same math as the graphed layers, for the bitwise
+  comparison. The step stays the plain one a user writes.
   """
-  embed_fn, block_fns, head_fn = fns[0], fns[1:-1], fns[-1]
+  graphed_parts = range(len(fns)) if graph_ends else range(1, len(fns) - 1)
 
-  def loss_fn(params, tokens, targets, positions, keys):
+  def loss_fn(params, tokens, targets, positions, keys, policy=None):
+    parts = [fn if policy is None or i not in graphed_parts else
+             jax.checkpoint(fn, policy=policy, prevent_cse=False) for i, fn in enumerate(fns)]
+    embed_fn, block_fns, head_fn = parts[0], parts[1:-1], parts[-1]
     params = jg.flat.unravel(params)  # --flat: differentiated through the unravelling
     x = embed_fn(params[0], tokens)
     for fn, layer_params, key in zip(block_fns, params[1:-1], keys):
       x = fn(layer_params, x, positions, key=key)
     return head_fn(params[-1], x, targets, *tied_table(params, config))
 
-  def grads(params, batches, positions, bases, counters):
+  def grads(params, batches, positions, bases, counters, policy=None):
     total = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
     for m, (tokens, targets) in enumerate(batches):
       keys = [jaxgraph.rng.stream_key(s, counters[s] + m, bases[s]) for s in block_streams]
       loss, microbatch_grads = jax.value_and_grad(loss_fn)(params, tokens, targets, positions,
-                                                           keys)
+                                                           keys, policy)
       total = accumulate(total, microbatch_grads, None, loss)
     return total
 
@@ -340,7 +353,7 @@ def make_whole_step(fns: Sequence[Callable[..., Any]], config: Config,
     return (*apply_update(tx, microbatches, total, opt_state, params),
             counters + jnp.uint32(microbatches))
 
-  return jax.jit(grads), step
+  return jax.jit(functools.partial(grads, policy=remat_policy)), step
 
 
 def initial_streams(seed: int, count: int) -> Streams:
@@ -359,12 +372,13 @@ class WholeStep:
   def __init__(self, fns: Sequence[Callable[..., Any]], config: Config,
                tx: optax.GradientTransformation, microbatches: int, streams: Streams,
                graph_ends: bool, params: Params, opt_state: Any, batches: Batches,
-               positions: jax.Array):
+               positions: jax.Array, remat_policy: Callable[..., bool] | None = None):
     self.microbatches = microbatches
     self.seed(streams)
     first = 1 if graph_ends else 0  # the blocks' streams (the embedding's is first)
     self.grads, step = make_whole_step(fns, config, tx, microbatches,
-                                       range(first, first + config.depth))
+                                       range(first, first + config.depth), remat_policy,
+                                       graph_ends)
     begin = time.perf_counter()
     self._step = step.lower(params, opt_state, batches, positions, self.bases,
                             self.counters).compile()
@@ -702,7 +716,8 @@ def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
   return {"preset": args.preset, "steps": args.steps or preset.steps, "seed": args.seed,
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
-          "plain_ends": args.plain_ends, "flat": args.flat, "whole_step": args.whole_step}
+          "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
+          "whole_step": args.whole_step}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -727,9 +742,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--dropout", type=float,
                       help="residual dropout rate in [0, 1) (default: the preset's)")
   parser.add_argument("--microbatches", type=int, help="per step (default: the preset's)")
-  parser.add_argument("--flat", action="store_true",
+  parser.add_argument("--flat", action=argparse.BooleanOptionalAction, default=True,
                       help="each part's params as flat buffers (jg.flat.ravel), one per "
-                           "(decay group, dtype): fewer leaves per executable call")
+                           "(decay group, dtype): fewer leaves per executable call (default; "
+                           "--no-flat: pytrees)")
+  parser.add_argument("--residuals", choices=sorted(RESIDUAL_POLICIES), default="recompute",
+                      help="what a graphed forward keeps for its backward: 'recompute' (default: "
+                           "jaxgraph.residuals.recompute_elementwise, the whole step's device "
+                           "time and a quarter of the memory), 'all' (every jax.vjp residual)")
   parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="compute dtype (params are float32 either way)")
   parser.add_argument("--attention", choices=("xla", "cudnn"),
@@ -785,6 +805,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"training and {len(corpus.held_out_ids):,} held-out characters; training state "
         f"{state_bytes(count) / 1e9:.2f} GB (float32 params, AdamW moments, summed grads, one "
         "microbatch's grads)")
+  policy = RESIDUAL_POLICIES[args.residuals]
   if args.flat:  # from here on params, grads and the optimizer state are FlatTrees
     params = [jg.flat.ravel(p, group=flat_group) for p in params]
     print(f"params held flat: {len(jax.tree.leaves(params))} buffers for "
@@ -802,7 +823,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   begin = time.perf_counter()
   train_layers = (None if args.whole_step else
                   build_layers(fns, sample_args, graph_ends=graph_ends,
-                               rng=jax.random.key(args.seed)))
+                               rng=jax.random.key(args.seed), remat_policy=policy))
   eval_layers = build_layers(fns, sample_args, graph_ends=graph_ends, inference_only=True)
   capture_seconds = time.perf_counter() - begin
   print(f"captured {'eval' if args.whole_step else 'training and eval'} layers in "
@@ -825,7 +846,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   trainer: Stepper
   if args.whole_step:
     trainer = WholeStep(fns, config, tx, preset.microbatches, streams, graph_ends, params,
-                        opt_state, step_batches(corpus, 0, preset.microbatches), positions)
+                        opt_state, step_batches(corpus, 0, preset.microbatches), positions,
+                        policy)
     print(f"--whole-step: training through one whole-step jax.jit (compiled in "
           f"{trainer.compile_seconds:.1f} s)")
   else:
@@ -914,7 +936,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if check and run_steps:
     whole = WholeStep(fns, config, tx, preset.microbatches, check_start.streams, graph_ends,
                       check_start.params, check_start.opt_state,
-                      step_batches(corpus, 0, preset.microbatches), positions)
+                      step_batches(corpus, 0, preset.microbatches), positions, policy)
     found, whole_state = compare_with_whole_step(whole, check_start, corpus,
                                                  range(first + 1, stop + 1), positions,
                                                  losses[first:], first_grads, params)
