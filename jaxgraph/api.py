@@ -435,14 +435,18 @@ def _warmup_between_hooks(built: Sequence[graphed_lib.GraphedCallable], layers: 
              config: graphed_lib.Config, iterations: int,
              pre_warmup_hook: Callable[[], None] | None,
              post_warmup_hook: Callable[[], None] | None) -> None:
-  """Step 4: `iterations` warmup iterations between the two warmup hooks."""
+  """Step 4: `iterations` warmup iterations between the two warmup hooks. Once
+  `pre_warmup_hook` returned, `post_warmup_hook` runs also when the warmup raises (a user
+  who turns something off in one and back on in the other is not left switched off)."""
   if pre_warmup_hook is not None:
     pre_warmup_hook()
-  _warmup(built, layers.samples, layers.plan, layers.sizes, iterations, rng=config.rng,
-          delay_wgrad=config.delay_wgrad, inference_only=config.inference_only,
-          donate_argnums=config.donate_argnums)
-  if post_warmup_hook is not None:
-    post_warmup_hook()
+  try:
+    _warmup(built, layers.samples, layers.plan, layers.sizes, iterations, rng=config.rng,
+            delay_wgrad=config.delay_wgrad, inference_only=config.inference_only,
+            donate_argnums=config.donate_argnums)
+  finally:
+    if post_warmup_hook is not None:
+      post_warmup_hook()
 
 
 def make_graphed(
@@ -488,7 +492,9 @@ def make_graphed(
       reverse; with `order`, exactly the order); their results are discarded and no key
       stream advances.
     pre_warmup_hook: called once (not per callable) before the whole warmup, no arguments.
-    post_warmup_hook: called once after the whole warmup, no arguments.
+    post_warmup_hook: called once after the whole warmup, no arguments; also when the
+      warmup raises, once `pre_warmup_hook` returned (a pair that turns something off and
+      back on leaves it on).
     rng: True to thread PRNG keys: each function takes `key=`; False for none; or a typed key
       to seed every callable's stream (True seeds with `jax.random.key(0)`).
     order: a pipeline schedule (Transformer Engine's `_order`, docs/pipeline.md): `c` runs
