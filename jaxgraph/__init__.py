@@ -12,7 +12,8 @@ from jaxgraph import fsdp
 from jaxgraph import residuals
 from jaxgraph import schedule
 from jaxgraph.api import make_graphed
-from jaxgraph.graphed import GraphedCallable, Pullback, Stats, sequential_vjp
+from jaxgraph.chain import sequential_vjp
+from jaxgraph.graphed import GraphedCallable, Pullback, Stats
 from jaxgraph.hooks import HookEvent, Hooks, is_capturing
 
 __version__ = "0.1.0"

@@ -1,7 +1,14 @@
-"""`make_graphed`: argument checks, building GraphedCallables, capture and warmup."""
+"""`make_graphed`: argument checks, building GraphedCallables, capture and warmup.
+
+`make_graphed` runs four steps in order: check every argument (before anything is traced or
+a hook fires), build one GraphedCallable per callable, capture (trace and compile each
+distinct signature once), warm up. Capture and warmup run under `hooks.capturing()`, so
+`is_capturing()` is True inside them and False again however they end.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,10 +46,13 @@ def _per_callable_args(sample_args: Any, count: int, single: bool) -> list[tuple
                     "arguments (arrays or jax.ShapeDtypeStruct).")
   if single:
     sample_args = [sample_args]
-  if not isinstance(sample_args, Sequence) or len(sample_args) != count:
-    got = len(sample_args) if isinstance(sample_args, Sequence) else type(sample_args).__name__
-    raise ValueError(f"make_graphed got {count} callables but sample_args has {got} entries; "
-                     "pass one tuple of positional arguments per callable.")
+  if not isinstance(sample_args, Sequence):
+    raise TypeError(f"sample_args takes one tuple of positional arguments per callable "
+                    f"({count}), got {type(sample_args).__name__}.")
+  if len(sample_args) != count:
+    raise ValueError(f"make_graphed got {count} callables but sample_args has "
+                     f"{len(sample_args)} entries; pass one tuple of positional arguments per "
+                     "callable.")
   out = []
   for i, args in enumerate(sample_args):
     if not isinstance(args, (tuple, list)):
@@ -66,13 +76,15 @@ def _pipeline_args(sample_args: Any, single: bool, sizes: Sequence[int], microba
   layers = sum(sizes)
   if single:
     return _per_callable_args(sample_args, 1, True), [[tuple(sample_args)] * microbatches]
-  entries = len(sample_args) if isinstance(sample_args, Sequence) else None
+  if not isinstance(sample_args, Sequence):
+    raise TypeError(f"with order=..., sample_args takes a sequence of tuples of positional "
+                    f"arguments, got {type(sample_args).__name__}.")
+  entries = len(sample_args)
   if entries not in (layers, layers * microbatches):
-    got = entries if entries is not None else type(sample_args).__name__
     raise ValueError(
         f"with order=..., sample_args takes one tuple per layer ({layers}) or, as Transformer "
         f"Engine, one per (chunk, microbatch, layer) ({layers} * {microbatches} = "
-        f"{layers * microbatches}), but got {got}.")
+        f"{layers * microbatches}), but got {entries}.")
   flat = _per_callable_args(sample_args, entries, False)
   if entries == layers:
     return flat, [[args] * microbatches for args in flat]
@@ -89,12 +101,16 @@ def _pipeline_args(sample_args: Any, single: bool, sizes: Sequence[int], microba
 
 
 def _per_callable_flags(value: bool | Sequence[bool], count: int, argument: str) -> list[bool]:
+  """One bool per callable from one bool for all, or a sequence of `count` bools."""
   if isinstance(value, bool):
     return [value] * count
-  flags = list(value)
-  if len(flags) != count or not all(isinstance(f, bool) for f in flags):
-    raise ValueError(f"{argument} takes a bool or one bool per callable ({count}), got {value!r}.")
-  return flags
+  message = f"{argument} takes a bool or one bool per callable ({count}), got {value!r}."
+  if (not isinstance(value, Sequence) or isinstance(value, (str, bytes))
+      or not all(isinstance(flag, bool) for flag in value)):
+    raise TypeError(message)
+  if len(value) != count:
+    raise ValueError(message)
+  return list(value)
 
 
 def _materialize(leaf: Any) -> Any:
@@ -130,7 +146,7 @@ def _steps(plan: schedule_lib.Plan, sizes: Sequence[int], *, inference_only: boo
 def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
                  samples: Sequence[Sequence[tuple[Any, ...]]], plan: schedule_lib.Plan,
                  sizes: Sequence[int], *, inference_only: bool) -> None:
-  """Capture phase, in the order of `plan` (without `order`: every forward in order, every
+  """Step 3, capture: in the order of `plan` (without `order`: every forward in order, every
   backward in reverse; `inference_only`: the forwards only), hooks around each;
   `samples[i][m]` are the args of layer i at microbatch m. Wgrad entries fire no hooks
   (Transformer Engine's rule)."""
@@ -200,30 +216,85 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
   jax.block_until_ready(results)
 
 
-def _check_inference_only(inference_only: bool, *, delay_wgrad: bool,
+# ------------------------------------------------------------------------ argument checks
+# One rule: an argument of the wrong type raises TypeError; of the right type but a bad value,
+# ValueError. Each message names the argument.
+
+
+def _check_bool(name: str, value: Any) -> bool:
+  if not isinstance(value, bool):
+    raise TypeError(f"{name} must be a bool, got {value!r}.")
+  return value
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
+  """`value` as a count: an int (not a bool) >= `minimum`."""
+  message = f"{name} must be an int >= {minimum}, got {value!r}."
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(message)
+  if value < minimum:
+    raise ValueError(message)
+  return value
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+  if not isinstance(value, str):
+    raise TypeError(f"{name} must be one of {choices}, got {value!r}.")
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+  return value
+
+
+def _check_callable(name: str, value: Any, what: str) -> None:
+  """`value` is None or callable; `what` says which callable (in the error)."""
+  if value is not None and not callable(value):
+    raise TypeError(f"{name} must be {what}, got {value!r}.")
+
+
+def _check_argnums(name: str, value: Any, example: str) -> tuple[int, ...]:
+  """`value` as a tuple of positional argument indices: a sequence of ints (not bools).
+  Their range is checked against the sample_args by the caller."""
+  if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+    raise TypeError(f"{name} must be a sequence of ints, e.g. {example}, got {value!r}.")
+  argnums = tuple(value)
+  bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
+  if bad:
+    raise TypeError(f"{name} must hold ints (positional argument indices), got {bad[0]!r} in "
+                    f"{argnums}.")
+  return argnums
+
+
+def _check_wgrad_argnums(wgrad_argnums: Any, samples: Sequence[tuple[Any, ...]], *,
+                         delay_wgrad: bool) -> tuple[int, ...]:
+  argnums = _check_argnums("wgrad_argnums", wgrad_argnums, "(0,)")
+  if any(a < 0 for a in argnums):
+    raise ValueError(f"wgrad_argnums must be non-negative ints, got {argnums!r}.")
+  for i, args in enumerate(samples):
+    if delay_wgrad and any(argnum >= len(args) for argnum in argnums):
+      raise ValueError(f"wgrad_argnums={argnums} but sample_args[{i}] has only "
+                       f"{len(args)} positional arguments.")
+  return argnums
+
+
+def _check_inference_only(inference_only: Any, *, delay_wgrad: bool,
                           order: Sequence[float] | None, offload: bool,
-                          remat_policy: Callable[..., bool] | None) -> None:
-  if not isinstance(inference_only, bool):
-    raise TypeError(f"inference_only must be a bool, got {inference_only!r}.")
-  if not inference_only:
-    return
+                          remat_policy: Callable[..., bool] | None) -> bool:
+  _check_bool("inference_only", inference_only)
   conflicts = [name for name, given in (("delay_wgrad", delay_wgrad),
                                         ("offload_residuals", offload),
                                         ("order", order is not None),
                                         ("remat_policy", remat_policy is not None)) if given]
-  if conflicts:
+  if inference_only and conflicts:
     raise ValueError(
         f"make_graphed got inference_only=True together with {' and '.join(conflicts)}, "
         "which only concern a backward (an inference-only callable has none). Drop "
         f"{' and '.join(conflicts)}, or drop inference_only to train.")
+  return inference_only
 
 
-def _check_donate_argnums(donate_argnums: Sequence[int], samples: Sequence[tuple[Any, ...]],
+def _check_donate_argnums(donate_argnums: Any, samples: Sequence[tuple[Any, ...]],
                           *, inference_only: bool) -> tuple[int, ...]:
-  if not isinstance(donate_argnums, Sequence) or isinstance(donate_argnums, (str, bytes)):
-    raise TypeError(f"donate_argnums must be a sequence of ints, e.g. (2,), got "
-                    f"{donate_argnums!r}.")
-  argnums = tuple(donate_argnums)
+  argnums = _check_argnums("donate_argnums", donate_argnums, "(2,)")
   if not argnums:
     return argnums
   if not inference_only:
@@ -231,10 +302,6 @@ def _check_donate_argnums(donate_argnums: Sequence[int], samples: Sequence[tuple
         f"make_graphed got donate_argnums={argnums} without inference_only=True: a training "
         "forward's inputs are needed again by its backward, so they cannot be donated. Pass "
         "inference_only=True (a decode step), or drop donate_argnums.")
-  bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
-  if bad:
-    raise TypeError(f"donate_argnums must hold ints (positional argument indices), got "
-                    f"{bad[0]!r} in {argnums}.")
   if len(set(argnums)) != len(argnums):
     raise ValueError(f"donate_argnums={argnums} lists an argument more than once; list each "
                      "donated positional argument once.")
@@ -245,6 +312,141 @@ def _check_donate_argnums(donate_argnums: Sequence[int], samples: Sequence[tuple
           f"donate_argnums={argnums} has {outside[0]}, but sample_args[{i}] has "
           f"{len(args)} positional arguments: each index must be in range(0, {len(args)}).")
   return argnums
+
+
+def _check_sample_leaves(samples: Sequence[tuple[Any, ...]]) -> None:
+  """Every sample_args leaf is an array or a ShapeDtypeStruct (a signature can be taken)."""
+  for i, args in enumerate(samples):
+    leaves, treedef = jax.tree.flatten(args)
+    try:
+      sig_lib.signature_of(leaves, treedef)
+    except TypeError as e:
+      raise TypeError(f"sample_args[{i}]: {e}") from None
+
+
+def _seed(rng: Any) -> jax.Array | None:
+  """The key every callable's stream starts from: None without rng, `key(0)` for True."""
+  if isinstance(rng, bool):
+    return jax.random.key(0) if rng else None
+  rng_lib.check_key(rng, "make_graphed(rng=...)")
+  return rng
+
+
+def _check_per_layer_executables(value: Any) -> bool:
+  """None means: on where the default backend is a GPU."""
+  if value is None:
+    return jax.default_backend() == "gpu"
+  return _check_bool("per_layer_executables", value)
+
+
+# ------------------------------------------------------------------------ make_graphed steps
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+  """What `make_graphed` builds its callables from, per callable, checked."""
+
+  fns: list[Callable[..., Any]]
+  single: bool  # one callable given (not a sequence): one GraphedCallable returned
+  plan: schedule_lib.Plan  # the order (without `order`: every forward, every backward)
+  sizes: tuple[int, ...]  # layers per chunk of the order
+  samples: list[list[tuple[Any, ...]]]  # [layer][microbatch] -> its sample_args
+  flat_samples: list[tuple[Any, ...]]  # sample_args as given, one tuple per entry
+  offload: list[bool]
+  hooks: tuple[hooks_lib.Hooks, ...]
+  capture_time_hooks: tuple[hooks_lib.Hooks, ...]
+
+
+def _check_layers(fns: Any, hooks: Any, capture_time_hooks: Any, sample_args: Any,
+                  order: Sequence[float] | None, num_layers_per_chunk: Any, *,
+                  delay_wgrad: bool, offload_residuals: Any) -> _Layers:
+  """Step 1a: the callables and their per-callable arguments (sample_args in the shape the
+  order asks for, offload flags, hooks), checked and one entry per callable."""
+  fn_list, single = _as_callables(fns)
+  count = len(fn_list)
+  _check_bool("delay_wgrad", delay_wgrad)
+  if order is None:
+    if num_layers_per_chunk is not None:
+      raise ValueError("num_layers_per_chunk only applies with order=[...]; drop it, or pass "
+                       "the pipeline order.")
+    flat = _per_callable_args(sample_args, count, single)
+    plan, sizes, samples = _NO_ORDER, (count,), [[args] for args in flat]
+  else:
+    plan = schedule_lib.parse_order(order, delay_wgrad=delay_wgrad)
+    sizes = schedule_lib.layers_per_chunk(num_layers_per_chunk, plan.num_chunks, count)
+    flat, samples = _pipeline_args(sample_args, single, sizes, plan.num_microbatches)
+  return _Layers(fn_list, single, plan, tuple(sizes), samples, flat,
+                 offload=_per_callable_flags(offload_residuals, count, "offload_residuals"),
+                 hooks=hooks_lib.per_callable(hooks, count, "hooks"),
+                 capture_time_hooks=hooks_lib.per_callable(capture_time_hooks, count,
+                                                           "capture_time_hooks"))
+
+
+def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
+                  delay_wgrad: bool, wgrad_argnums: Any, max_captures: Any,
+                  on_new_signature: Any, remat_policy: Any, inference_only: Any,
+                  donate_argnums: Any, per_layer_executables: Any) -> graphed_lib.Config:
+  """Step 1b: the settings every callable shares, checked against the sample_args."""
+  _check_int("max_captures", max_captures, minimum=1)
+  _check_choice("on_new_signature", on_new_signature, _ON_NEW_SIGNATURE)
+  _check_callable("remat_policy", remat_policy, "a jax.checkpoint policy (a callable, e.g. "
+                  "jaxgraph.residuals.recompute_elementwise) or None")
+  wgrad = _check_wgrad_argnums(wgrad_argnums, layers.flat_samples, delay_wgrad=delay_wgrad)
+  _check_sample_leaves(layers.flat_samples)
+  inference_only = _check_inference_only(inference_only, delay_wgrad=delay_wgrad,
+                                         order=order,
+                                         offload=any(layers.offload),
+                                         remat_policy=remat_policy)
+  donated = _check_donate_argnums(donate_argnums, layers.flat_samples,
+                                  inference_only=inference_only)
+  if any(layers.offload):
+    offload_lib.check_backend_supports_offload()
+  return graphed_lib.Config(rng=rng, delay_wgrad=delay_wgrad, wgrad_argnums=wgrad,
+                            max_captures=max_captures, on_new_signature=on_new_signature,
+                            inference_only=inference_only, remat_policy=remat_policy,
+                            donate_argnums=donated,
+                            per_layer_executables=_check_per_layer_executables(
+                                per_layer_executables))
+
+
+def _check_warmup(num_warmup_iters: Any, pre_warmup_hook: Any, post_warmup_hook: Any) -> int:
+  """Step 1c: the warmup's iteration count and its two hooks."""
+  for name, hook in (("pre_warmup_hook", pre_warmup_hook),
+                     ("post_warmup_hook", post_warmup_hook)):
+    _check_callable(name, hook, "a callable taking no arguments")
+  return _check_int("num_warmup_iters", num_warmup_iters, minimum=0)
+
+
+def _build_callables(layers: _Layers, config: graphed_lib.Config,
+                     seed: jax.Array | None) -> list[graphed_lib.GraphedCallable]:
+  """Step 2: one GraphedCallable per callable, sharing `config` (and so its executable
+  cache); with a seed, every key stream starts from it. Nothing is traced yet."""
+  built = [graphed_lib.GraphedCallable(fn, i, config, hooks=layers.hooks[i],
+                                       capture_time_hooks=layers.capture_time_hooks[i],
+                                       offload=layers.offload[i])
+           for i, fn in enumerate(layers.fns)]
+  if seed is not None:
+    for layer in built:
+      layer.seed(seed)
+  return built
+
+
+def _warmup_between_hooks(built: Sequence[graphed_lib.GraphedCallable], layers: _Layers,
+             config: graphed_lib.Config, iterations: int,
+             pre_warmup_hook: Callable[[], None] | None,
+             post_warmup_hook: Callable[[], None] | None) -> None:
+  """Step 4: `iterations` warmup iterations between the two warmup hooks. Once
+  `pre_warmup_hook` returned, `post_warmup_hook` runs also when the warmup raises (a user
+  who turns something off in one and back on in the other is not left switched off)."""
+  if pre_warmup_hook is not None:
+    pre_warmup_hook()
+  try:
+    _warmup(built, layers.samples, layers.plan, layers.sizes, iterations, rng=config.rng,
+            delay_wgrad=config.delay_wgrad, inference_only=config.inference_only,
+            donate_argnums=config.donate_argnums)
+  finally:
+    if post_warmup_hook is not None:
+      post_warmup_hook()
 
 
 def make_graphed(
@@ -290,7 +492,9 @@ def make_graphed(
       reverse; with `order`, exactly the order); their results are discarded and no key
       stream advances.
     pre_warmup_hook: called once (not per callable) before the whole warmup, no arguments.
-    post_warmup_hook: called once after the whole warmup, no arguments.
+    post_warmup_hook: called once after the whole warmup, no arguments; also when the
+      warmup raises, once `pre_warmup_hook` returned (a pair that turns something off and
+      back on leaves it on).
     rng: True to thread PRNG keys: each function takes `key=`; False for none; or a typed key
       to seed every callable's stream (True seeds with `jax.random.key(0)`).
     order: a pipeline schedule (Transformer Engine's `_order`, docs/pipeline.md): `c` runs
@@ -353,88 +557,37 @@ def make_graphed(
     One `GraphedCallable` for a single callable, else a tuple of them.
 
   Raises:
-    ValueError: for `inference_only=True` with `delay_wgrad`, `offload_residuals`,
-      `order` or `remat_policy`, for `donate_argnums` without `inference_only=True`, out
-      of range or repeated, and for other invalid arguments (each error names the argument).
+    TypeError: for an argument of the wrong type: `fns` not a callable or a sequence of
+      them, `sample_args` entries that are not tuples or hold leaves that are not arrays
+      (or `jax.ShapeDtypeStruct`s), a flag that is not a bool, a count or argnum that is
+      not an int (bools are not counts), hooks that are not `jaxgraph.Hooks`, warmup hooks
+      or `remat_policy` that are not callable, `rng` neither a bool nor a typed key, `order`
+      entries or `num_layers_per_chunk` that are not ints.
+      Errors raised while tracing or compiling a function propagate, with a note naming
+      the callable and its `sample_args` entry.
+    ValueError: for an argument of the right type with a bad value: no callables, a number
+      of `sample_args` (or hooks, or offload flags) that does not match the callables, a
+      count below its minimum, an unknown `on_new_signature`, an invalid `order` or
+      `num_layers_per_chunk`, an argnum out of range (or repeated in `donate_argnums`),
+      `inference_only=True` with `delay_wgrad`, `offload_residuals`, `order` or
+      `remat_policy`, `donate_argnums` without `inference_only=True`, and
+      `offload_residuals` on a backend without pinned host memory. Each error names the
+      argument; all are raised before anything is traced or a hook fires.
   """
-  fn_list, single = _as_callables(fns)
-  count = len(fn_list)
-  if not isinstance(delay_wgrad, bool):
-    raise TypeError(f"delay_wgrad must be a bool, got {delay_wgrad!r}.")
-  if order is None:
-    if num_layers_per_chunk is not None:
-      raise ValueError("num_layers_per_chunk only applies with order=[...]; drop it, or pass "
-                       "the pipeline order.")
-    samples = _per_callable_args(sample_args, count, single)
-    plan, sizes, per_microbatch = _NO_ORDER, (count,), [[args] for args in samples]
-  else:
-    plan = schedule_lib.parse_order(order, delay_wgrad=delay_wgrad)
-    sizes = schedule_lib.layers_per_chunk(num_layers_per_chunk, plan.num_chunks, count)
-    samples, per_microbatch = _pipeline_args(sample_args, single, sizes, plan.num_microbatches)
-  if (isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int)
-      or num_warmup_iters < 0):
-    raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}.")
-  if isinstance(max_captures, bool) or not isinstance(max_captures, int) or max_captures < 1:
-    raise ValueError(f"max_captures must be an int >= 1, got {max_captures!r}.")
-  if on_new_signature not in _ON_NEW_SIGNATURE:
-    raise ValueError(f"on_new_signature must be one of {_ON_NEW_SIGNATURE}, got "
-                     f"{on_new_signature!r}.")
-  if remat_policy is not None and not callable(remat_policy):
-    raise TypeError(f"remat_policy must be a jax.checkpoint policy (a callable, e.g. "
-                    f"jaxgraph.residuals.recompute_elementwise) or None, got {remat_policy!r}.")
-  for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
-    if hook is not None and not callable(hook):
-      raise TypeError(f"{name} must be a callable taking no arguments, got {hook!r}.")
-  if isinstance(rng, bool):
-    seed = jax.random.key(0) if rng else None
-  else:
-    rng_lib.check_key(rng, "make_graphed(rng=...)")
-    seed = rng
-  if not isinstance(wgrad_argnums, Sequence):
-    raise TypeError(f"wgrad_argnums must be a sequence of ints, e.g. (0,), got "
-                    f"{wgrad_argnums!r}.")
-  wgrad_argnums = tuple(wgrad_argnums)
-  if not all(isinstance(i, int) and i >= 0 for i in wgrad_argnums):
-    raise ValueError(f"wgrad_argnums must be non-negative ints, got {wgrad_argnums!r}.")
-  for i, args in enumerate(samples):
-    if delay_wgrad and any(argnum >= len(args) for argnum in wgrad_argnums):
-      raise ValueError(f"wgrad_argnums={wgrad_argnums} but sample_args[{i}] has only "
-                       f"{len(args)} positional arguments.")
-    leaves, treedef = jax.tree.flatten(args)
-    try:
-      sig_lib.signature_of(leaves, treedef)
-    except TypeError as e:
-      raise TypeError(f"sample_args[{i}]: {e}") from None
-  offload = _per_callable_flags(offload_residuals, count, "offload_residuals")
-  _check_inference_only(inference_only, delay_wgrad=delay_wgrad, order=order,
-                        offload=any(offload), remat_policy=remat_policy)
-  donate_argnums = _check_donate_argnums(donate_argnums, samples, inference_only=inference_only)
-  if any(offload):
-    offload_lib.check_backend_supports_offload()
-  replay_hooks = hooks_lib.per_callable(hooks, count, "hooks")
-  capture_hooks = hooks_lib.per_callable(capture_time_hooks, count, "capture_time_hooks")
-
-  config = graphed_lib.Config(rng=seed is not None, delay_wgrad=delay_wgrad,
-                              wgrad_argnums=wgrad_argnums, max_captures=max_captures,
-                              on_new_signature=on_new_signature,
-                              inference_only=inference_only, remat_policy=remat_policy,
-                              donate_argnums=donate_argnums,
-                              per_layer_executables=(jax.default_backend() == "gpu"
-                                                     if per_layer_executables is None
-                                                     else bool(per_layer_executables)))
-  layers = [graphed_lib.GraphedCallable(fn, i, config, hooks=replay_hooks[i],
-                                        capture_time_hooks=capture_hooks[i], offload=offload[i])
-            for i, fn in enumerate(fn_list)]
-  if seed is not None:
-    for layer in layers:
-      layer.seed(seed)
+  layers = _check_layers(fns, hooks, capture_time_hooks, sample_args, order,
+                         num_layers_per_chunk, delay_wgrad=delay_wgrad,
+                         offload_residuals=offload_residuals)
+  iterations = _check_warmup(num_warmup_iters, pre_warmup_hook, post_warmup_hook)
+  seed = _seed(rng)
+  config = _check_config(layers, order, rng=seed is not None, delay_wgrad=delay_wgrad,
+                         wgrad_argnums=wgrad_argnums, max_captures=max_captures,
+                         on_new_signature=on_new_signature, remat_policy=remat_policy,
+                         inference_only=inference_only, donate_argnums=donate_argnums,
+                         per_layer_executables=per_layer_executables)
+  built = _build_callables(layers, config, seed)
   with hooks_lib.capturing():
-    _capture_all(layers, per_microbatch, plan, sizes, inference_only=inference_only)
-    if pre_warmup_hook is not None:
-      pre_warmup_hook()
-    _warmup(layers, per_microbatch, plan, sizes, num_warmup_iters, rng=config.rng,
-            delay_wgrad=delay_wgrad, inference_only=inference_only,
-            donate_argnums=donate_argnums)
-    if post_warmup_hook is not None:
-      post_warmup_hook()
-  return layers[0] if single else tuple(layers)
+    _capture_all(built, layers.samples, layers.plan, layers.sizes,
+                 inference_only=config.inference_only)
+    _warmup_between_hooks(built, layers, config, iterations, pre_warmup_hook,
+                          post_warmup_hook)
+  return built[0] if layers.single else tuple(built)

@@ -2,7 +2,9 @@
 
 The user's function is traced once per signature (`jax.jit(...).trace`). Every executable
 is built from that one trace: the forward variants evaluate its jaxpr, the backward ones
-unflatten the residuals with the VJP treedef kept on the host (anchors-jax.md §2.1).
+unflatten the residuals with the VJP treedef kept on the host. The VJP object `jax.vjp`
+returns is a pytree of its residuals; its treedef holds the linearized jaxpr and is unequal
+across traces, so only the leaves cross executables (https://github.com/jax-ml/jax/issues/24053).
 """
 
 from __future__ import annotations

@@ -190,6 +190,7 @@ def layers_per_chunk(num_layers_per_chunk: int | Sequence[int] | None, num_chunk
     num_layers: callables given to `make_graphed`; chunk 1 is the first layers, and so on.
 
   Raises:
+    TypeError: `num_layers_per_chunk` is not an int or a sequence of ints.
     ValueError: the layers do not split as asked.
   """
   if num_layers < num_chunks:
@@ -202,15 +203,17 @@ def layers_per_chunk(num_layers_per_chunk: int | Sequence[int] | None, num_chunk
           "not split evenly; pass num_layers_per_chunk=[...] (one int per chunk) for an uneven "
           "pipeline.")
     return (num_layers // num_chunks,) * num_chunks
-  if isinstance(num_layers_per_chunk, numbers.Integral):
-    sizes = (int(num_layers_per_chunk),) * num_chunks
-  else:
+  if isinstance(num_layers_per_chunk, Sequence) and not isinstance(num_layers_per_chunk, str):
     sizes = tuple(num_layers_per_chunk)
-    if len(sizes) != num_chunks:
-      raise ValueError(f"num_layers_per_chunk must be an int or a list of {num_chunks} ints "
-                       f"(one per chunk of the order), got {num_layers_per_chunk!r}.")
-  if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
-             for n in sizes):
+  else:
+    sizes = (num_layers_per_chunk,) * num_chunks
+  if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in sizes):
+    raise TypeError(f"num_layers_per_chunk must be an int or a list of {num_chunks} ints (one "
+                    f"per chunk of the order), got {num_layers_per_chunk!r}.")
+  if len(sizes) != num_chunks:
+    raise ValueError(f"num_layers_per_chunk must be an int or a list of {num_chunks} ints "
+                     f"(one per chunk of the order), got {num_layers_per_chunk!r}.")
+  if not all(n >= 1 for n in sizes):
     raise ValueError(f"num_layers_per_chunk must hold ints >= 1, got {num_layers_per_chunk!r}.")
   if sum(sizes) != num_layers:
     raise ValueError(f"num_layers_per_chunk={num_layers_per_chunk!r} gives {sum(sizes)} layers "

@@ -158,6 +158,33 @@ def test_hook_raising_during_make_graphed(phase, kind):
   assert grads[0]["w1"].shape == (D, H)
 
 
+@pytest.mark.parametrize("phase", ["capture", "warmup"])
+def test_post_warmup_hook_undoes_pre_warmup_hook_when_make_graphed_raises(phase):
+  """A pair of warmup hooks that turns something off and back on (docs/migration.md) leaves
+  it on however make_graphed ends: post_warmup_hook runs when the warmup raises, and
+  neither runs when the capture before them raises."""
+  switched = []
+  with pytest.raises(Boom):
+    _two_layers(hooks=_raise_in(phase, "backward"), num_warmup_iters=1,
+                pre_warmup_hook=lambda: switched.append("off"),
+                post_warmup_hook=lambda: switched.append("on"))
+  assert switched == ([] if phase == "capture" else ["off", "on"])
+  assert not jg.is_capturing()
+
+
+def test_post_warmup_hook_does_not_run_when_pre_warmup_hook_raises():
+  calls = []
+
+  def pre():
+    calls.append("pre")
+    raise Boom("pre")
+
+  with pytest.raises(Boom):
+    _two_layers(num_warmup_iters=1, pre_warmup_hook=pre,
+                post_warmup_hook=lambda: calls.append("post"))
+  assert calls == ["pre"]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_hook_raising_during_replay_leaves_callable_usable(kind):
   fail = [True]

@@ -1,7 +1,8 @@
 """Residual offload: memory kinds of kept residuals, numerics, rng, delay_wgrad, errors, hooks.
 
-On CPU the backend reports `pinned_host` but compiles no real transfer (anchors-jax.md §3):
-these tests check the plumbing and the numerics. The `gpu` tests check the compiled HLO.
+On CPU the backend reports `pinned_host` but compiles no real transfer (docs/offload.md, "CPU
+and GPU"; memory kinds: https://docs.jax.dev/en/latest/notebooks/host-offloading.html): these
+tests check the plumbing and the numerics. The `gpu` tests check the compiled HLO.
 """
 
 from __future__ import annotations

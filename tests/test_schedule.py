@@ -288,6 +288,12 @@ def test_sample_args_and_layer_validation():
     _graph([1, 2, -2, -1], count=3, num_layers_per_chunk=2)
   with pytest.raises(ValueError, match="a list of 2 ints"):
     _graph([1, 2, -2, -1], count=3, num_layers_per_chunk=[1, 1, 1])
+  with pytest.raises(TypeError, match="an int or a list of 2 ints"):
+    _graph([1, 2, -2, -1], count=3, num_layers_per_chunk=[2, 1.0])
+  with pytest.raises(TypeError, match="an int or a list of 2 ints"):
+    _graph([1, 2, -2, -1], count=3, num_layers_per_chunk="21")
+  with pytest.raises(ValueError, match="must hold ints >= 1"):
+    _graph([1, 2, -2, -1], count=3, num_layers_per_chunk=[3, 0])
   with pytest.raises(ValueError, match="3 chunks but there are only 2 callables"):
     _graph([1, 2, 3, -3, -2, -1])
   with pytest.raises(ValueError, match="only applies with order"):

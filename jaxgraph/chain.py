@@ -1,0 +1,112 @@
+"""`sequential_vjp`: a stack of graphed layers chained forward, pulled back in reverse.
+
+The top of the replay path: each layer replays its own executable pair (`graphed.py`), or,
+with `fuse=True`, each run of hook-free neighbours replays as one (`fusion.py`). Imports run
+one way, chain -> fusion -> graphed, so neither of those imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+
+from jaxgraph import fusion as fusion_lib
+from jaxgraph.graphed import GraphedCallable, Pullback  # by name: docs/api.md shows the types
+
+
+class SequentialPullback:
+  """The pullback of `sequential_vjp`: `(grads_list, g_x) = pullback(ct)`; one-shot."""
+
+  def __init__(self, steps: list[tuple[int, int, Pullback]]):
+    self._steps = steps  # (first layer, end layer, its pullback); a fused run spans several
+    self._failed_at: int | None = None
+    self._called = False
+
+  def __call__(self, cotangent: Any) -> tuple[list[Any], Any]:
+    if self._failed_at is not None:
+      raise RuntimeError(
+          f"this sequential_vjp pullback failed part-way, in the backward of layers"
+          f"[{self._failed_at}] (the layers after it already ran theirs); it cannot be resumed. "
+          "Run sequential_vjp again for a new one.")
+    if self._called:
+      raise RuntimeError("this sequential_vjp pullback was already called: it replays every "
+                         "layer's backward once. Run sequential_vjp again for a new one.")
+    grads: list[Any] = [None] * (self._steps[-1][1] if self._steps else 0)
+    for position in reversed(range(len(self._steps))):
+      lo, hi, pullback = self._steps[position]
+      try:
+        g_params, cotangent = pullback(cotangent)[:2]  # consts' gradients are dropped
+      except BaseException:
+        if position < len(self._steps) - 1 or pullback._state != "ready":
+          self._failed_at = lo
+        raise
+      grads[lo:hi] = g_params if hi - lo > 1 else [g_params]
+    self._called = True
+    return grads, cotangent
+
+  def wgrad(self) -> list[Any]:
+    """With `delay_wgrad=True`: the deferred params grads of every layer, in layer order."""
+    return [pullback.wgrad()[0] for _, _, pullback in self._steps]
+
+
+def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any, *,
+                   consts: tuple[Any, ...] = (), keys: Sequence[jax.Array] | None = None,
+                   fuse: bool = False) -> tuple[Any, SequentialPullback]:
+  """Chains `x = layer(params, x, *consts)` through a stack; returns `(y, pullback)`.
+
+  Args:
+    layers: graphed callables taking `(params, x, *consts)` (and `key=` with `rng=True`),
+      each returning the structure of `x`.
+    params_list: one params pytree per layer.
+    x: the input of the first layer: the carry, any pytree (e.g. a tuple `(h, aux)` when
+      every layer returns one of that structure).
+    consts: the per-step inputs besides the activation (positions, an attention mask, a
+      cache), passed to every layer after `x`. They get no gradient: the pullback drops
+      theirs (a layer's backward still computes the gradient of a float const; a fused
+      chain stops it instead).
+    keys: one key per layer, or None to draw from each layer's own stream.
+    fuse: boundary fusion. Each maximal run of adjacent layers without replay-time hooks
+      (from one `make_graphed` call, without `delay_wgrad`, with the same offload setting)
+      replays as one forward and one backward executable, compiled on the first such call
+      (identical runs share it): a host boundary only where a hook needs one. The same
+      keys and counters as unfused; the numerics may differ by rounding, as XLA fuses
+      across layers (like a whole-step `jax.jit`).
+
+  Returns:
+    `(y, pullback)` with `pullback(ct) -> (grads_list, g_x)`: `grads_list[i]` is the gradient
+    of `params_list[i]`.
+  """
+  if len(layers) != len(params_list):
+    raise ValueError(f"sequential_vjp got {len(layers)} layers but {len(params_list)} params.")
+  if keys is not None and len(keys) != len(layers):
+    raise ValueError(f"sequential_vjp got {len(layers)} layers but {len(keys)} keys.")
+  if not isinstance(consts, tuple):
+    raise TypeError(f"sequential_vjp takes consts= a tuple of the extra positional arguments "
+                    f"of every layer, e.g. consts=(positions, mask), got "
+                    f"{type(consts).__name__}; for one argument write consts=(mask,).")
+  for i, layer in enumerate(layers):
+    if not isinstance(layer, GraphedCallable):
+      raise TypeError(f"sequential_vjp: layers[{i}] is a {type(layer).__name__}, not a "
+                      "GraphedCallable; build the stack with jaxgraph.make_graphed.")
+    layer._require_backward(f"sequential_vjp (layers[{i}])")
+  runs = (fusion_lib.plan(layers) if fuse
+          else [(i, i + 1) for i in range(len(layers))])
+  steps = []
+  for lo, hi in runs:
+    fused = None
+    if hi - lo > 1:
+      segment = fusion_lib.segment(layers[lo:hi])
+      fused = segment.vjp_chain(params_list[lo:hi], x, consts,
+                                None if keys is None else keys[lo:hi])
+    if fused is not None:
+      x, pullback = fused
+      steps.append((lo, hi, pullback))
+      continue
+    for i in range(lo, hi):  # one by one: unfused, or a fused run that cannot replay fused
+      if keys is None:
+        x, pullback = layers[i].vjp(params_list[i], x, *consts)
+      else:
+        x, pullback = layers[i].vjp(params_list[i], x, *consts, key=keys[i])
+      steps.append((i, i + 1, pullback))
+  return x, SequentialPullback(steps)
