@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import warnings
 from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
@@ -181,6 +182,17 @@ class Checkpoints:
       except Exception:  # unreadable: `restore` names it and falls back
         continue
     return None
+
+  def resume(self, params: Any, opt_state: Any, streams: Streams) -> Restored | None:
+    """`--resume`: `restore`, saying so when there is nothing to resume from; exits with one
+    line when checkpoints exist and none of them passes."""
+    try:
+      restored = self.restore(params, opt_state, streams)
+    except NoCheckpoint as e:
+      sys.exit(f"--resume: {e}")
+    if restored is None:
+      print("no checkpoint to resume from; starting at step 0")
+    return restored
 
   def restore(self, params: Any, opt_state: Any, streams: Streams) -> Restored | None:
     """The newest checkpoint that restores and matches its digests; None if there is none.

@@ -44,7 +44,7 @@ from flax import nnx
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-from common import (CORPUS, Checkpoints, Corpus, NoCheckpoint, Streams, check_resume,
+from common import (CORPUS, Checkpoints, Corpus, Streams, check_resume,
                     params_digest, plot, progress_bar, run_parser, stream_keys,
                     stream_positions, write_json)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
@@ -364,13 +364,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []
   if args.resume:
-    try:
-      restored = checkpoints.restore(params, opt_state, stream_positions(layers))
-    except NoCheckpoint as e:
-      sys.exit(f"--resume: {e}")
-    if restored is None:
-      print("no checkpoint to resume from; starting at step 0")
-    else:
+    restored = checkpoints.resume(params, opt_state, stream_positions(layers))
+    if restored is not None:
       first, params, opt_state = restored.step, restored.params, restored.opt_state
       for layer, (base, counter) in zip(layers, restored.streams):
         layer.seed(base, counter=counter)

@@ -47,7 +47,7 @@ import jaxgraph as jg
 import jaxgraph.rng
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # examples/common.py
-from common import (CORPUS, Checkpoints, Corpus, NoCheckpoint, Streams,  # noqa: E402
+from common import (CORPUS, Checkpoints, Corpus, Streams,  # noqa: E402
                     check_resume, params_digest, plot, progress_bar, run_parser,
                     stream_positions, write_json)
 from model import Cache, Config, Llama  # noqa: E402
@@ -857,13 +857,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   metrics_path = args.out / "metrics.json"
   first, losses, eval_losses = 0, [], []
   if args.resume:
-    try:
-      restored = checkpoints.restore(params, opt_state, trainer.streams())
-    except NoCheckpoint as e:
-      sys.exit(f"--resume: {e}")
-    if restored is None:
-      print("no checkpoint to resume from; starting at step 0")
-    else:
+    restored = checkpoints.resume(params, opt_state, trainer.streams())
+    if restored is not None:
       first, params, opt_state = restored.step, restored.params, restored.opt_state
       trainer.seed(restored.streams)
       losses = list(restored.meta["losses"])
