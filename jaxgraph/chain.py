@@ -38,7 +38,7 @@ class SequentialPullback:
       try:
         g_params, cotangent = pullback(cotangent)[:2]  # consts' gradients are dropped
       except BaseException:
-        if position < len(self._steps) - 1 or pullback._state != "ready":
+        if position < len(self._steps) - 1 or pullback.consumed:
           self._failed_at = lo
         raise
       grads[lo:hi] = g_params if hi - lo > 1 else [g_params]

@@ -133,7 +133,7 @@ class FusedSegment(graphed_lib.GraphedCallable):
       return None
     with self._exclusive():
       return self._forward(args, leaves, treedef, None if keys is None else tuple(keys),
-                           phase="replay", iteration=self._replays, microbatch=0,
+                           phase="replay", iteration=self._counts.replays, microbatch=0,
                            with_pullback=True, signature=signature)
 
   def _count_replay(self, *, backward: bool) -> None:

@@ -1,22 +1,28 @@
-"""`GraphedCallable`: replays cached executables from the host; pullbacks."""
+"""`GraphedCallable`: replays one function's cached executables from the host.
+
+Its parts: the callable's state (`Config` shared by one `make_graphed` call, `_Counters`
+behind `Stats`, a `rng.KeyStream`), finding or capturing the executables of a signature,
+and the replay of one forward executable, whose backward is a `pullback.Pullback`
+(pullback.py).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import warnings
-from typing import Any, Callable, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgraph import capture as capture_lib
 from jaxgraph import flat as flat_lib
 from jaxgraph import hooks as hooks_lib
+from jaxgraph import pullback as pullback_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph import signature as sig_lib
+from jaxgraph.pullback import Pullback  # by name: docs/api.md shows the type
 
 OnNewSignature = Literal["capture", "error"]
 
@@ -68,107 +74,29 @@ class Config:
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-@functools.lru_cache(maxsize=None)
-def _arg_ranges(treedef: Any) -> tuple[tuple[Any, int, int], ...]:
-  """(treedef, first leaf, end leaf) of each positional argument; cached per structure."""
-  ranges, start = [], 0
-  for child in treedef.children():
-    ranges.append((child, start, start + child.num_leaves))
-    start += child.num_leaves
-  return tuple(ranges)
+@dataclasses.dataclass
+class _Counters:
+  """What `Stats` reports, as this callable counts it (a fused segment's too)."""
 
+  captures: int = 0
+  cache_hits: int = 0
+  compiles: int = 0
+  compile_seconds: float = 0.0
+  replays: int = 0
+  backward_replays: int = 0
+  fallbacks: int = 0
 
-def _donated_leaves(treedef: Any, argnums: tuple[int, ...]) -> tuple[int, ...]:
-  """The argument leaves of the positional arguments `argnums` (a FlatTree: its buffers)."""
-  return tuple(leaf for argnum, (_, lo, hi) in enumerate(_arg_ranges(treedef))
-               if argnum in argnums for leaf in range(lo, hi))
+  def compiled(self, compiles: int, seconds: float) -> None:
+    self.compiles += compiles
+    self.compile_seconds += seconds
 
-
-def _backward_plan(config: Config, signature: sig_lib.Signature
-                   ) -> list[tuple[capture_lib.BackwardKind, tuple[int, ...]]]:
-  diff = [i for i, s in enumerate(signature.leaves) if jnp.issubdtype(s.dtype, jnp.inexact)]
-  if not config.delay_wgrad:
-    return [("full", tuple(diff))]
-  weight_leaves = {leaf for argnum, (_, lo, hi) in enumerate(_arg_ranges(signature.treedef))
-                   if argnum in config.wgrad_argnums for leaf in range(lo, hi)}
-  return [("dgrad", tuple(i for i in diff if i not in weight_leaves)),
-          ("wgrad", tuple(i for i in diff if i in weight_leaves))]
-
-
-def _float0_like(spec: sig_lib.LeafSpec) -> np.ndarray:
-  return np.zeros(spec.shape, jax.dtypes.float0)
-
-
-def _assemble(entry: capture_lib.Executables, values: Sequence[Any], select: tuple[int, ...],
-              argnums: tuple[int, ...] | None) -> tuple[Any, ...]:
-  """Gradients per positional argument, like `jax.vjp`; args outside `argnums` are None."""
-  leaves: list[Any] = [None] * len(entry.signature.leaves)
-  differentiated = set(entry.layout.diff)
-  for leaf, spec in enumerate(entry.signature.leaves):
-    if leaf not in differentiated:
-      leaves[leaf] = _float0_like(spec)  # like jax.vjp: float0 zeros for integer inputs
-  for leaf, value in zip(select, values):
-    leaves[leaf] = value
-  return tuple(
-      jax.tree.unflatten(child, leaves[lo:hi]) if argnums is None or argnum in argnums else None
-      for argnum, (child, lo, hi) in enumerate(_arg_ranges(entry.signature.treedef)))
-
-
-class Pullback:
-  """The backward of one forward replay. One-shot: a second call raises.
-
-  `pullback(cotangents)` returns one gradient per positional argument of the forward. With
-  `delay_wgrad=True` the weight arguments (`wgrad_argnums`) are None there and
-  `pullback.wgrad()` returns them later.
-  """
-
-  __slots__ = ("_owner", "_event", "_backward", "_wgrad", "_state")
-
-  def __init__(self, owner: GraphedCallable, event: hooks_lib.HookEvent,
-               backward: Callable[[Any], tuple[tuple[Any, ...], Callable[[], Any] | None]]):
-    self._owner = owner
-    self._event = event
-    self._backward = backward
-    self._wgrad: Callable[[], Any] | None = None
-    self._state: Literal["ready", "done", "wgrad_done"] = "ready"
-
-  def __call__(self, cotangents: Any) -> tuple[Any, ...]:
-    owner, event = self._owner, self._event
-    if self._state != "ready":
-      raise RuntimeError(
-          f"this pullback of {owner.name} was already called: a pullback replays its backward "
-          f"once (its residuals are released). Call {owner.name}.vjp(...) again for a new one.")
-    hooks = owner._backward_hooks(event.phase)
-    with owner._exclusive():  # a backward is a use of its callable: not concurrent with others
-      if hooks[0]:
-        hooks_lib.fire(hooks[0], "pre_backward",
-                       dataclasses.replace(event, cotangents=cotangents), owner.name)
-      grads, self._wgrad = self._backward(cotangents)
-      self._state, self._backward = "done", None
-      if event.phase == "replay":
-        owner._count_replay(backward=True)
-      if hooks[1]:
-        hooks_lib.fire(hooks[1], "backward",
-                       dataclasses.replace(event, cotangents=cotangents, grads=grads), owner.name)
-    return grads
-
-  def wgrad(self) -> tuple[Any, ...]:
-    """The deferred weight gradients (`delay_wgrad=True`): one entry per positional argument,
-    None for arguments outside `wgrad_argnums`. Call once, after the pullback."""
-    name = self._owner.name
-    if self._state == "ready":
-      raise RuntimeError(f"wgrad() of {name} was called before its pullback; call "
-                         "pullback(cotangents) first, then pullback.wgrad().")
-    if self._state == "wgrad_done":
-      raise RuntimeError(f"wgrad() of {name} was already called; it runs once.")
-    if self._wgrad is None:
-      raise RuntimeError(f"{name} was built without delay_wgrad=True, so its pullback "
-                         "already returned every gradient; there is no deferred wgrad.")
-    with self._owner._exclusive():
-      grads = self._wgrad()
-    # Consumed only once it ran: a failed wgrad (e.g. donated weights) raises the same again.
-    self._wgrad, self._state = None, "wgrad_done"
-    return grads
+  def snapshot(self, segments: list[_Counters], residual_bytes: int) -> Stats:
+    """`Stats` of these counts, with the captures and compiles of `segments` added."""
+    return Stats(self.captures + sum(c.captures for c in segments),
+                 self.cache_hits + sum(c.cache_hits for c in segments),
+                 self.compiles + sum(c.compiles for c in segments),
+                 self.compile_seconds + sum(c.compile_seconds for c in segments),
+                 self.replays, self.backward_replays, self.fallbacks, residual_bytes)
 
 
 class GraphedCallable:
@@ -197,11 +125,9 @@ class GraphedCallable:
     self._replayed: dict[Any, Any] = {}  # a shared executable -> the one this callable runs
     self._fallback: Callable[..., Any] | None = None
     self._busy = threading.Lock()
-    self._captures = self._cache_hits = self._compiles = 0
-    self._compile_seconds = 0.0
-    self._replays = self._backward_replays = self._fallbacks = 0
+    self._counts = _Counters()
+    self._stream: rng_lib.KeyStream | None = None
     if config.rng:
-      self._index_array = jnp.uint32(index)
       self.seed(jax.random.key(0))
 
   def _set_name(self, name: str) -> None:
@@ -221,16 +147,9 @@ class GraphedCallable:
     The captures and compiles of fused segments (`sequential_vjp(..., fuse=True)`) count on
     their first layer.
     """
-    captures, hits, compiles, seconds = (self._captures, self._cache_hits, self._compiles,
-                                         self._compile_seconds)
-    for segment in self._led_segments():
-      captures += segment._captures
-      hits += segment._cache_hits
-      compiles += segment._compiles
-      seconds += segment._compile_seconds
     last = next(reversed(self._entries.values()), None)
-    return Stats(captures, hits, compiles, seconds, self._replays, self._backward_replays,
-                 self._fallbacks, last.residual_bytes if last is not None else 0)
+    return self._counts.snapshot([segment._counts for segment in self._led_segments()],
+                                 last.residual_bytes if last is not None else 0)
 
   def reset(self) -> None:
     """Drops this callable's executables, and those of fused segments it belongs to; its
@@ -250,9 +169,9 @@ class GraphedCallable:
 
   def _count_replay(self, *, backward: bool) -> None:
     if backward:
-      self._backward_replays += 1
+      self._counts.backward_replays += 1
     else:
-      self._replays += 1
+      self._counts.replays += 1
 
   def _led_segments(self) -> list[Any]:
     return [segment for key, segment in self._config.segments.items() if key[0] is self]
@@ -264,25 +183,23 @@ class GraphedCallable:
     `fold_in(fold_in(base, i), counter + n)`, derived inside the forward executable.
     Restore a checkpoint with `g.seed(base, counter=saved_counter)`.
     """
-    if not self._config.rng:
-      raise ValueError(f"{self.name} was built with rng=False; it has no key stream.")
+    self._require_rng()
     if isinstance(key, int):
       key = jax.random.key(key)
     rng_lib.check_key(key, f"{self.name}.seed")
-    self._base_key = key
-    self._counter = jnp.uint32(counter)
+    self._stream = rng_lib.KeyStream(key, jnp.uint32(self.index), jnp.uint32(counter))
 
   @property
   def rng_base_key(self) -> jax.Array:
     """The base key of this callable's stream (save it with `rng_counter` to resume)."""
     self._require_rng()
-    return self._base_key
+    return self._stream.base
 
   @property
   def rng_counter(self) -> int:
     """How many keys this callable's stream has drawn (reading it waits for the device)."""
     self._require_rng()
-    return int(self._counter)
+    return int(self._stream.counter)
 
   def __call__(self, *args: Any, key: jax.Array | None = None, **kwargs: Any) -> Any:
     """Replays the forward executable (no residuals are kept)."""
@@ -290,7 +207,7 @@ class GraphedCallable:
     if leaves is None:
       return self._call_traced(args, key)
     with self._exclusive():
-      return self._forward(args, leaves, treedef, key, phase="replay", iteration=self._replays,
+      return self._forward(args, leaves, treedef, key, phase="replay", iteration=self._counts.replays,
                            microbatch=0, with_pullback=False)[0]
 
   def vjp(self, *args: Any, key: jax.Array | None = None,
@@ -306,7 +223,7 @@ class GraphedCallable:
     if leaves is None:
       return self._vjp_traced(args, key)
     with self._exclusive():
-      return self._forward(args, leaves, treedef, key, phase="replay", iteration=self._replays,
+      return self._forward(args, leaves, treedef, key, phase="replay", iteration=self._counts.replays,
                            microbatch=0, with_pullback=True)
 
   # ----------------------------------------------------------------------------- internals
@@ -405,11 +322,15 @@ class GraphedCallable:
           if config.inference_only:
             entry = capture_lib.capture_inference(
                 self.fn, signature, n_keys=self._n_keys, name=self.name,
-                donated=_donated_leaves(signature.treedef, config.donate_argnums))
+                donated=pullback_lib.donated_leaves(signature.treedef,
+                                                    config.donate_argnums))
           else:
             entry = capture_lib.capture(
                 self.fn, signature, n_keys=self._n_keys,
-                backward=_backward_plan(config, signature), offload=self._offload,
+                backward=pullback_lib.backward_plan(
+                    signature, delay_wgrad=config.delay_wgrad,
+                    wgrad_argnums=config.wgrad_argnums),
+                offload=self._offload,
                 remat_policy=config.remat_policy, name=self.name)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
@@ -417,11 +338,10 @@ class GraphedCallable:
           raise
         config.cache[cache_key] = entry
         self._own.add(cache_key)
-        self._captures += 1
-        self._compiles += entry.compiles
-        self._compile_seconds += entry.compile_seconds
+        self._counts.captures += 1
+        self._counts.compiled(entry.compiles, entry.compile_seconds)
       else:
-        self._cache_hits += 1
+        self._counts.cache_hits += 1
     self._entries[signature] = entry
     return entry
 
@@ -466,11 +386,10 @@ class GraphedCallable:
 
   def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
     """(base, index, counter) for the stream forward; `stream` overrides base and counter."""
-    base, counter = stream if stream is not None else (self._base_key, self._counter)
-    return [base, self._index_array, counter]
+    return self._stream.inputs(stream)
 
   def _advance(self, counters: list[jax.Array]) -> None:
-    (self._counter,) = counters
+    (self._stream.counter,) = counters
 
   def _replay_forward(self, entry: capture_lib.Executables, leaves: list[Any], key: Any,
                       with_pullback: bool, event: hooks_lib.HookEvent,
@@ -481,8 +400,7 @@ class GraphedCallable:
     inputs = leaves if key is None else leaves + (list(key) if layout.n_keys > 1 else [key])
     exe, seconds = capture_lib.forward_executable(entry, kind, residuals=with_pullback)
     if seconds:
-      self._compiles += 1
-      self._compile_seconds += seconds
+      self._counts.compiled(1, seconds)
     exe = self._local(entry, exe)
     try:
       with jax.profiler.TraceAnnotation(self._trace_names[0]):
@@ -505,62 +423,13 @@ class GraphedCallable:
     if not with_pullback:
       return (jax.tree.unflatten(layout.out_treedef, values),)
     outs, kept = values[:layout.n_out], values[layout.n_out:]
-    out = jax.tree.unflatten(layout.out_treedef, outs)
-    needed_inputs = [inputs[i] for i in layout.needed_inputs]
-    needed_outputs = [outs[i] for i in layout.needed_outputs]
-    owner = self
-
-    def run(kind: capture_lib.BackwardKind, cts: list[Any]) -> list[Any]:
-      exe = owner._local(entry, entry.backward[kind][0])
-      try:
-        with jax.profiler.TraceAnnotation(owner._trace_names[1]):
-          return exe(*needed_inputs, *needed_outputs, *kept, *cts)
-      except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
-        if any(getattr(x, "is_deleted", lambda: False)() for x in needed_inputs + needed_outputs):
-          raise RuntimeError(
-              f"the backward of {owner.name} needs arrays from its forward that were deleted "
-              "or donated since (e.g. params donated to an optimizer step before the "
-              "pullback ran). Run every pullback before donating the forward's inputs.") from e
-        raise
-
-    def backward(cotangents: Any):
-      ct_leaves, ct_treedef = jax.tree.flatten(cotangents)
-      if ct_treedef != layout.out_treedef:
-        raise TypeError(f"the cotangent passed to the pullback of {owner.name} has structure "
-                        f"{ct_treedef}, but the outputs have {layout.out_treedef}.")
-      cts = [ct_leaves[i] for i in layout.ct_leaves]
-      first_kind, (_, select) = next(iter(entry.backward.items()))
-      try:
-        values = run(first_kind, cts)
-      except (TypeError, ValueError) as e:
-        raise owner._cotangent_error(entry, cts) from e
-      if first_kind == "full":
-        return _assemble(entry, values, select, None), None
-      wgrad_select = entry.backward["wgrad"][1]
-      argnums = owner._config.wgrad_argnums
-      dgrad_argnums = tuple(i for i in range(len(_arg_ranges(entry.signature.treedef)))
-                            if i not in argnums)
-      return (_assemble(entry, values, select, dgrad_argnums),
-              lambda: _assemble(entry, run("wgrad", cts), wgrad_select, argnums))
-
+    backward = pullback_lib.ExecutableBackward(
+        self, entry, needed_inputs=[inputs[i] for i in layout.needed_inputs],
+        needed_outputs=[outs[i] for i in layout.needed_outputs], kept=kept)
     if not any(self._backward_hooks(event.phase)):
       # Without backward hooks nobody reads the args again: don't keep them alive.
       event = hooks_lib.HookEvent(event.index, event.phase, event.iteration, event.microbatch, ())
-    return out, Pullback(self, event, backward)
-
-  def _cotangent_error(self, entry: capture_lib.Executables, cts: list[Any]) -> TypeError:
-    layout = entry.layout
-    expected = [layout.out_specs[i] for i in layout.ct_leaves]
-    lines = []
-    paths = sig_lib.leaf_paths(layout.out_treedef, "cotangents")
-    for i, want, got in zip(layout.ct_leaves, expected, cts):
-      got_shape, got_dtype = getattr(got, "shape", None), getattr(got, "dtype", type(got))
-      if (got_shape, got_dtype) != (want.shape, want.dtype):
-        lines.append(f"{paths[i]}: expected {want.dtype}{list(want.shape)}, got "
-                     f"{got_dtype}{list(got_shape) if got_shape is not None else ''}")
-    detail = "\n".join(lines) or "(shapes and dtypes match; the sharding differs)"
-    return TypeError(f"the cotangent passed to the pullback of {self.name} does not match its "
-                     f"outputs:\n{detail}\nA cotangent has the shape and dtype of the output.")
+    return jax.tree.unflatten(layout.out_treedef, outs), Pullback(self, event, backward)
 
   def _fallback_forward(self, args: tuple[Any, ...], key: Any, with_pullback: bool,
                         event: hooks_lib.HookEvent) -> Any:
@@ -568,7 +437,7 @@ class GraphedCallable:
     from_stream = self._config.rng and key is None
     if self._config.rng:
       if from_stream:
-        key = rng_lib.derive_key(self._base_key, self._index_array, self._counter)
+        key = rng_lib.derive_key(*self._stream.inputs())
       fn = lambda *a: jitted(*a, key=key)
     else:
       fn = jitted
@@ -578,9 +447,9 @@ class GraphedCallable:
       out, vjp_fn = jax.vjp(fn, *args)
       result = out, Pullback(self, event, lambda ct: (vjp_fn(ct), None))
     # Counted (and the stream advanced) only once the call succeeded.
-    self._fallbacks += 1
+    self._counts.fallbacks += 1
     if from_stream:
-      self._counter = self._counter + jnp.uint32(1)
+      self._stream.counter = self._stream.counter + jnp.uint32(1)
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator
 
 import jax
@@ -36,6 +37,29 @@ def check_key(key: Any, owner: str) -> None:
 def derive_key(base: jax.Array, index: jax.Array, counter: jax.Array) -> jax.Array:
   """The key of one replay in a stream; traced inside the forward executable."""
   return jax.random.fold_in(jax.random.fold_in(base, index), counter)
+
+
+@dataclasses.dataclass
+class KeyStream:
+  """One callable's key stream: draw n is `derive_key(base, index, counter + n)`, derived
+  inside the forward executable, which also returns the next counter (kept on the device:
+  a host-side draw would cost a dispatch per replay).
+
+  Attributes:
+    base: the stream's base key.
+    index: the callable's index, a uint32 scalar.
+    counter: the next draw, a uint32 scalar (an array the last forward returned).
+  """
+
+  base: jax.Array
+  index: jax.Array
+  counter: jax.Array
+
+  def inputs(self, override: tuple[jax.Array, jax.Array] | None = None) -> list[jax.Array]:
+    """(base, index, counter) for a stream forward; `override` replaces base and counter
+    (warmup draws from a stream of its own)."""
+    base, counter = override if override is not None else (self.base, self.counter)
+    return [base, self.index, counter]
 
 
 def stream_key(index: int, counter: int, base: jax.Array) -> jax.Array:

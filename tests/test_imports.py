@@ -1,7 +1,8 @@
 """The package's import graph, read from the source: one way, as DESIGN.md's module table.
 
 Every `import` counts, also one inside a function (no import moved into a function to dodge a
-cycle). Order: capture -> graphed -> fusion -> chain (each imports only modules before it);
+cycle). Order: capture -> pullback -> graphed -> fusion -> chain (each imports only modules
+before it);
 api builds on graphed and nothing but `__init__` imports it; hooks, rng, signature,
 residuals and flat import no other jaxgraph module.
 """
@@ -12,7 +13,7 @@ import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxgraph"
-LAYERS = ("capture", "graphed", "fusion", "chain")
+LAYERS = ("capture", "pullback", "graphed", "fusion", "chain")
 LEAVES = ("hooks", "rng", "signature", "residuals", "flat")
 
 

@@ -1,0 +1,217 @@
+"""The backward of one forward replay: `Pullback` (one-shot, deferred wgrad) and the call of
+the backward executables with what the forward kept.
+
+A pullback holds what its backward needs (forward inputs and outputs the backward reads, the
+kept residuals, the derived key) and nothing else; calling it replays the backward
+executable once and assembles one gradient per positional argument, like `jax.vjp`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Literal, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgraph import capture as capture_lib
+from jaxgraph import hooks as hooks_lib
+from jaxgraph import signature as sig_lib
+
+# What a backward returns: the gradients now, and the deferred weight gradients (delay_wgrad).
+BackwardResult = tuple[tuple[Any, ...], Callable[[], tuple[Any, ...]] | None]
+
+
+class Owner(Protocol):
+  """What a pullback uses of the `GraphedCallable` that replayed its forward (graphed.py
+  imports this module, so the type is named by what it does)."""
+
+  name: str
+  _config: Any
+  _trace_names: tuple[str, str]
+
+  def _local(self, entry: capture_lib.Executables, exe: Any) -> Any: ...
+  def _backward_hooks(self, phase: hooks_lib.Phase) -> tuple[Any, Any]: ...
+  def _exclusive(self) -> Any: ...
+  def _count_replay(self, *, backward: bool) -> None: ...
+
+
+@functools.lru_cache(maxsize=None)
+def arg_ranges(treedef: Any) -> tuple[tuple[Any, int, int], ...]:
+  """(treedef, first leaf, end leaf) of each positional argument; cached per structure."""
+  ranges, start = [], 0
+  for child in treedef.children():
+    ranges.append((child, start, start + child.num_leaves))
+    start += child.num_leaves
+  return tuple(ranges)
+
+
+def donated_leaves(treedef: Any, argnums: tuple[int, ...]) -> tuple[int, ...]:
+  """The argument leaves of the positional arguments `argnums` (a FlatTree: its buffers)."""
+  return tuple(leaf for argnum, (_, lo, hi) in enumerate(arg_ranges(treedef))
+               if argnum in argnums for leaf in range(lo, hi))
+
+
+def backward_plan(signature: sig_lib.Signature, *, delay_wgrad: bool,
+                  wgrad_argnums: tuple[int, ...]
+                  ) -> list[tuple[capture_lib.BackwardKind, tuple[int, ...]]]:
+  """Which backward executables to build and which argument leaves each returns grads of:
+  one "full", or "dgrad" now and "wgrad" (the weights') later."""
+  diff = [i for i, s in enumerate(signature.leaves) if jnp.issubdtype(s.dtype, jnp.inexact)]
+  if not delay_wgrad:
+    return [("full", tuple(diff))]
+  weight_leaves = set(donated_leaves(signature.treedef, wgrad_argnums))
+  return [("dgrad", tuple(i for i in diff if i not in weight_leaves)),
+          ("wgrad", tuple(i for i in diff if i in weight_leaves))]
+
+
+def assemble(entry: capture_lib.Executables, values: Sequence[Any], select: tuple[int, ...],
+             argnums: tuple[int, ...] | None) -> tuple[Any, ...]:
+  """Gradients per positional argument, like `jax.vjp`; args outside `argnums` are None."""
+  leaves: list[Any] = [None] * len(entry.signature.leaves)
+  differentiated = set(entry.layout.diff)
+  for leaf, spec in enumerate(entry.signature.leaves):
+    if leaf not in differentiated:
+      leaves[leaf] = np.zeros(spec.shape, jax.dtypes.float0)  # like jax.vjp, integer inputs
+  for leaf, value in zip(select, values):
+    leaves[leaf] = value
+  return tuple(
+      jax.tree.unflatten(child, leaves[lo:hi]) if argnums is None or argnum in argnums else None
+      for argnum, (child, lo, hi) in enumerate(arg_ranges(entry.signature.treedef)))
+
+
+def _any_deleted(arrays: Sequence[Any]) -> bool:
+  return any(getattr(x, "is_deleted", lambda: False)() for x in arrays)
+
+
+@dataclasses.dataclass(eq=False)
+class ExecutableBackward:
+  """The backward of one forward replay of `entry`: what it read, and how to run it.
+
+  Attributes:
+    owner: the callable that replayed the forward (its name, its loaded executables).
+    entry: the executables of the forward's signature.
+    needed_inputs: the forward inputs the backward reads (the derived key among them).
+    needed_outputs: the forward outputs the backward reads.
+    kept: what the forward returned for the backward only (donated to the last backward).
+  """
+
+  owner: Owner
+  entry: capture_lib.Executables
+  needed_inputs: list[Any]
+  needed_outputs: list[Any]
+  kept: list[Any]
+
+  def __call__(self, cotangents: Any) -> BackwardResult:
+    entry, layout = self.entry, self.entry.layout
+    ct_leaves, ct_treedef = jax.tree.flatten(cotangents)
+    if ct_treedef != layout.out_treedef:
+      raise TypeError(f"the cotangent passed to the pullback of {self.owner.name} has "
+                      f"structure {ct_treedef}, but the outputs have {layout.out_treedef}.")
+    cts = [ct_leaves[i] for i in layout.ct_leaves]
+    first_kind, (_, select) = next(iter(entry.backward.items()))
+    try:
+      values = self._run(first_kind, cts)
+    except (TypeError, ValueError) as e:
+      raise self._cotangent_error(cts) from e
+    if first_kind == "full":
+      return assemble(entry, values, select, None), None
+    wgrad_select = entry.backward["wgrad"][1]
+    argnums = self.owner._config.wgrad_argnums
+    dgrad_argnums = tuple(i for i in range(len(arg_ranges(entry.signature.treedef)))
+                          if i not in argnums)
+    return (assemble(entry, values, select, dgrad_argnums),
+            lambda: assemble(entry, self._run("wgrad", cts), wgrad_select, argnums))
+
+  def _run(self, kind: capture_lib.BackwardKind, cts: list[Any]) -> list[Any]:
+    owner = self.owner
+    exe = owner._local(self.entry, self.entry.backward[kind][0])
+    try:
+      with jax.profiler.TraceAnnotation(owner._trace_names[1]):
+        return exe(*self.needed_inputs, *self.needed_outputs, *self.kept, *cts)
+    except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
+      if _any_deleted(self.needed_inputs + self.needed_outputs):
+        raise RuntimeError(
+            f"the backward of {owner.name} needs arrays from its forward that were deleted "
+            "or donated since (e.g. params donated to an optimizer step before the "
+            "pullback ran). Run every pullback before donating the forward's inputs.") from e
+      raise
+
+  def _cotangent_error(self, cts: list[Any]) -> TypeError:
+    layout = self.entry.layout
+    lines = []
+    paths = sig_lib.leaf_paths(layout.out_treedef, "cotangents")
+    for i, got in zip(layout.ct_leaves, cts):
+      want = layout.out_specs[i]
+      got_shape, got_dtype = getattr(got, "shape", None), getattr(got, "dtype", type(got))
+      if (got_shape, got_dtype) != (want.shape, want.dtype):
+        lines.append(f"{paths[i]}: expected {want.dtype}{list(want.shape)}, got "
+                     f"{got_dtype}{list(got_shape) if got_shape is not None else ''}")
+    detail = "\n".join(lines) or "(shapes and dtypes match; the sharding differs)"
+    return TypeError(f"the cotangent passed to the pullback of {self.owner.name} does not "
+                     f"match its outputs:\n{detail}\nA cotangent has the shape and dtype of "
+                     "the output.")
+
+
+class Pullback:
+  """The backward of one forward replay. One-shot: a second call raises.
+
+  `pullback(cotangents)` returns one gradient per positional argument of the forward. With
+  `delay_wgrad=True` the weight arguments (`wgrad_argnums`) are None there and
+  `pullback.wgrad()` returns them later.
+  """
+
+  __slots__ = ("_owner", "_event", "_backward", "_wgrad", "_state")
+
+  def __init__(self, owner: Owner, event: hooks_lib.HookEvent,
+               backward: Callable[[Any], BackwardResult]):
+    self._owner = owner
+    self._event = event
+    self._backward = backward
+    self._wgrad: Callable[[], Any] | None = None
+    self._state: Literal["ready", "done", "wgrad_done"] = "ready"
+
+  @property
+  def consumed(self) -> bool:
+    """Whether the backward ran (a pullback replays it once)."""
+    return self._state != "ready"
+
+  def __call__(self, cotangents: Any) -> tuple[Any, ...]:
+    owner, event = self._owner, self._event
+    if self.consumed:
+      raise RuntimeError(
+          f"this pullback of {owner.name} was already called: a pullback replays its backward "
+          f"once (its residuals are released). Call {owner.name}.vjp(...) again for a new one.")
+    pre, post = owner._backward_hooks(event.phase)
+    with owner._exclusive():  # a backward is a use of its callable: not concurrent with others
+      if pre:
+        hooks_lib.fire(pre, "pre_backward", dataclasses.replace(event, cotangents=cotangents),
+                       owner.name)
+      grads, self._wgrad = self._backward(cotangents)
+      self._state, self._backward = "done", None
+      if event.phase == "replay":
+        owner._count_replay(backward=True)
+      if post:
+        hooks_lib.fire(post, "backward",
+                       dataclasses.replace(event, cotangents=cotangents, grads=grads), owner.name)
+    return grads
+
+  def wgrad(self) -> tuple[Any, ...]:
+    """The deferred weight gradients (`delay_wgrad=True`): one entry per positional argument,
+    None for arguments outside `wgrad_argnums`. Call once, after the pullback."""
+    name = self._owner.name
+    if self._state == "ready":
+      raise RuntimeError(f"wgrad() of {name} was called before its pullback; call "
+                         "pullback(cotangents) first, then pullback.wgrad().")
+    if self._state == "wgrad_done":
+      raise RuntimeError(f"wgrad() of {name} was already called; it runs once.")
+    if self._wgrad is None:
+      raise RuntimeError(f"{name} was built without delay_wgrad=True, so its pullback "
+                         "already returned every gradient; there is no deferred wgrad.")
+    with self._owner._exclusive():
+      grads = self._wgrad()
+    # Consumed only once it ran: a failed wgrad (e.g. donated weights) raises the same again.
+    self._wgrad, self._state = None, "wgrad_done"
+    return grads
