@@ -393,10 +393,8 @@ def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
                   "jaxgraph.residuals.recompute_elementwise) or None")
   wgrad = _check_wgrad_argnums(wgrad_argnums, layers.flat_samples, delay_wgrad=delay_wgrad)
   _check_sample_leaves(layers.flat_samples)
-  inference_only = _check_inference_only(inference_only, delay_wgrad=delay_wgrad,
-                                         order=order,
-                                         offload=any(layers.offload),
-                                         remat_policy=remat_policy)
+  inference_only = _check_inference_only(inference_only, delay_wgrad=delay_wgrad, order=order,
+                                         offload=any(layers.offload), remat_policy=remat_policy)
   donated = _check_donate_argnums(donate_argnums, layers.flat_samples,
                                   inference_only=inference_only)
   if any(layers.offload):
@@ -432,9 +430,9 @@ def _build_callables(layers: _Layers, config: graphed_lib.Config,
 
 
 def _warmup_between_hooks(built: Sequence[graphed_lib.GraphedCallable], layers: _Layers,
-             config: graphed_lib.Config, iterations: int,
-             pre_warmup_hook: Callable[[], None] | None,
-             post_warmup_hook: Callable[[], None] | None) -> None:
+                          config: graphed_lib.Config, iterations: int,
+                          pre_warmup_hook: Callable[[], None] | None,
+                          post_warmup_hook: Callable[[], None] | None) -> None:
   """Step 4: `iterations` warmup iterations between the two warmup hooks. Once
   `pre_warmup_hook` returned, `post_warmup_hook` runs also when the warmup raises (a user
   who turns something off in one and back on in the other is not left switched off)."""

@@ -13,12 +13,17 @@ on a GPU machine; `XLA_FLAGS=--xla_force_host_platform_device_count=1` gives one
 The CPU backend gets 8 virtual devices either way: `@pytest.mark.devices(n)` tests run on the
 default backend when it has `n` devices, else on the CPU backend's (they test plumbing, not
 GPU kernels), else they are skipped with a reason naming the count (`models.devices_for`).
+
+On CPU the run shares one persistent XLA compilation cache (`_compilation_cache`), and
+pyproject.toml runs it on two xdist workers (`-n 2`).
 """
 
+import atexit
 import glob
 import importlib.util
 import os
 import shutil
+import tempfile
 
 
 def _cuda_usable() -> bool:
@@ -55,6 +60,33 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from models import devices_for  # noqa: E402
+
+_CACHE_ENV = "JAXGRAPH_TEST_COMPILATION_CACHE"
+
+
+def _compilation_cache() -> str | None:
+  """One persistent compilation cache for the whole CPU run, shared by the xdist workers:
+  the suite compiles the same small layers in many tests, and XLA compiles each once (the
+  CPU suite takes half the time). A new empty folder per run, removed at its end.
+
+  CPU only: on GPU every multi-layer capture makes per-layer loaded copies of its
+  executables (`per_layer_executables`), and on CPU a copy of an executable the cache served
+  fails (tests/test_per_layer_executables.py, which turns the cache off); on GPU that is
+  untested. JAXGRAPH_TEST_COMPILATION_CACHE=off: no cache.
+  """
+  if jax.default_backend() != "cpu":
+    return None
+  path = os.environ.get(_CACHE_ENV)
+  if path is None and "PYTEST_XDIST_WORKER" not in os.environ:  # the first process: make it
+    path = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxgraph-tests-xla-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+  return None if path in (None, "off") else path
+
+
+if (_cache := _compilation_cache()) is not None:
+  jax.config.update("jax_compilation_cache_dir", _cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _count(platform: str | None) -> str:

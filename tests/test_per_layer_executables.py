@@ -1,8 +1,11 @@
 """make_graphed(..., per_layer_executables=True): one compile, a loaded copy per layer."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src import compilation_cache
 
 import jaxgraph as jg
 from jaxgraph import capture as capture_lib
@@ -10,6 +13,55 @@ from jaxgraph import rng as rng_lib
 from models import counting, devices_for, dropout_mlp, init_mlp, reference_stack, trees_equal
 
 D, H, T, DEPTH = 8, 32, 4, 4
+
+
+@contextlib.contextmanager
+def _persistent_cache(directory):
+  """XLA's persistent compilation cache in `directory` (every compile stored), or off for
+  None; the settings before are restored after. jax decides once whether a cache is used:
+  `reset_cache` makes it decide again."""
+  names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+           "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  saved = {name: getattr(jax.config, name) for name in names}
+  jax.config.update("jax_enable_compilation_cache", directory is not None)
+  if directory is not None:
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True)
+def _compiled_here():
+  """These tests compile for real: the suite's persistent compilation cache (conftest.py) is
+  off for them, as a loaded copy of an executable read from it fails on CPU (below)."""
+  with _persistent_cache(None):
+    yield
+
+
+@pytest.mark.xfail(jax.default_backend() == "cpu", strict=True,
+                   raises=jax.errors.JaxRuntimeError,
+                   reason="XLA:CPU (jax 0.10.2): a serialized copy of an executable the "
+                   "persistent compilation cache served fails with 'Function ... not found'")
+def test_loaded_copy_of_an_executable_from_the_persistent_cache(tmp_path):
+  """A known failure on CPU, kept visible: with a persistent compilation cache, a capture
+  served from it (an identical function compiled before) gets a broken loaded copy. Once
+  loaded_copy or XLA handles it, this passes and the strict xfail reports it. On GPU it
+  must pass."""
+  x = jnp.ones((T, D))
+  with _persistent_cache(tmp_path):
+    copies = []
+    for _ in range(2):  # two function objects: the second compile is read from the cache
+      compiled = jax.jit(lambda v: jnp.tanh(v) * 2).lower(x).compile()
+      copies.append(capture_lib.loaded_copy(compiled))
+    jax.block_until_ready([copy(x) for copy in copies])
 
 
 def _stack(per_layer_executables, **kwargs):
