@@ -9,10 +9,12 @@ distinct signature once), warm up. Capture and warmup run under `hooks.capturing
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgraph import graphed as graphed_lib
 from jaxgraph import hooks as hooks_lib
@@ -222,19 +224,19 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
 
 
 def _check_bool(name: str, value: Any) -> bool:
-  if not isinstance(value, bool):
+  if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a bool, got {value!r}.")
-  return value
+  return bool(value)
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> int:
   """`value` as a count: an int (not a bool) >= `minimum`."""
   message = f"{name} must be an int >= {minimum}, got {value!r}."
-  if isinstance(value, bool) or not isinstance(value, int):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
     raise TypeError(message)
   if value < minimum:
     raise ValueError(message)
-  return value
+  return int(value)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -442,9 +444,15 @@ def _warmup_between_hooks(built: Sequence[graphed_lib.GraphedCallable], layers: 
     _warmup(built, layers.samples, layers.plan, layers.sizes, iterations, rng=config.rng,
             delay_wgrad=config.delay_wgrad, inference_only=config.inference_only,
             donate_argnums=config.donate_argnums)
-  finally:
+  except BaseException as error:
     if post_warmup_hook is not None:
-      post_warmup_hook()
+      try:
+        post_warmup_hook()
+      except Exception as hook_error:  # the warmup's error is the one to see
+        error.add_note(f"post_warmup_hook raised too, after it: {hook_error!r}")
+    raise
+  if post_warmup_hook is not None:
+    post_warmup_hook()
 
 
 def make_graphed(

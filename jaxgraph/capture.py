@@ -431,6 +431,11 @@ def loaded_copy(compiled: Any) -> Any:
   devices = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
   if len(devices) != 1:
     return compiled
+  if (next(iter(devices)).platform == "cpu" and jax.config.jax_enable_compilation_cache
+      and jax.config.jax_compilation_cache_dir):
+    # XLA:CPU (jax 0.10.2): a copy of an executable the persistent compilation cache served
+    # fails when called ("Function ... not found"); on the CPU a copy gains nothing anyway.
+    return compiled
   try:
     payload, in_tree, out_tree = serialize_executable.serialize(compiled)
     return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,

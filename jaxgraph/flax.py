@@ -175,6 +175,14 @@ def nnx_layer(module: nnx.Module, *, wrt: Any = nnx.Param, rngs_argument: str | 
     ValueError: if the module holds state that is neither selected by `wrt` or `mutable`
       nor RNG state (e.g. `nnx.BatchStat` without `mutable=nnx.BatchStat`).
   """
+  wrt, mutable = _as_filter(wrt), _as_filter(mutable)
+  for name, value in (("wrt", wrt), ("mutable", mutable)):
+    try:
+      hash(value)
+    except TypeError as e:
+      raise TypeError(f"nnx_layer: {name}={value!r} is not hashable; a layer function is "
+                      "hashed so that identical layers share one capture. Pass a type or a "
+                      f"tuple of types ({name}=(nnx.BatchStat, nnx.Cache)).") from e
   if mutable is None:
     graphdef, params, rng_state, rest = nnx.split(module, wrt, nnx.RngState, ...)
   else:
@@ -198,13 +206,18 @@ def nnx_layer(module: nnx.Module, *, wrt: Any = nnx.Param, rngs_argument: str | 
                 wrt, mutable)
   if mutable is None:
     return fn, params
-  try:
-    hash(fn)
-  except TypeError as e:
-    raise TypeError(f"nnx_layer: mutable={mutable!r} is not hashable; a layer function is "
-                    "hashed so that identical layers share one capture. Pass a type or a "
-                    "tuple of types (mutable=(nnx.BatchStat, nnx.Cache)).") from e
+  if not jax.tree.leaves(state):
+    raise ValueError(
+        f"nnx_layer got mutable={mutable!r}, but no variable of {type(module).__name__} is "
+        f"left for it: wrt={wrt!r} selects them first, or the module holds none yet (a KV "
+        "cache: call its init_cache first). Drop that type from wrt, or create the state "
+        "before nnx_layer.")
   return fn, params, state
+
+
+def _as_filter(value: Any) -> Any:
+  """An NNX filter as a hashable value: a list of filters becomes a tuple (the same filter)."""
+  return tuple(value) if isinstance(value, list) else value
 
 
 def join_states(model: nnx.Module, parts: Sequence[nnx.Module],
@@ -265,7 +278,9 @@ class LinenLayer:
 
   def __init__(self, module: nn.Module, rng_collection: str, apply_kwargs: Mapping[str, Any],
                mutable: tuple[str, ...] = ()):
-    self.module = module.clone(name=None, parent=None)
+    # Deep: a submodule held as a field is unbound and name-free too (a shallow clone keeps
+    # it bound to the parent's scope, and a bound module does not hash).
+    self.module = module.clone(name=None, parent=None, _deep_clone=True)
     self.rng_collection = rng_collection
     self.apply_kwargs = dict(apply_kwargs)
     self.mutable = mutable
@@ -294,9 +309,12 @@ class LinenLayer:
       raise TypeError(f"{self!r} takes (params, state, *inputs): the state of its mutable "
                       f"collections {list(self.mutable)} is missing.")
     state, *inputs = inputs
+    state = flax_core.unfreeze(state)
     out, new_state = self.module.apply({"params": params, **state}, *inputs, rngs=rngs,
                                        mutable=list(self.mutable), **self.apply_kwargs)
-    new_state = {name: new_state[name] for name in self.mutable}
+    # unfrozen: with flax_return_frozendict=True apply returns a FrozenDict, a pytree of
+    # another structure than the dict passed in
+    new_state = flax_core.unfreeze({name: new_state[name] for name in self.mutable})
     if jax.tree.structure(new_state) != jax.tree.structure(state):
       raise ValueError(
           f"{self!r}: apply returned state of another structure than the state passed in, "
@@ -323,15 +341,12 @@ def _unhashable_error(module: nn.Module, apply_kwargs: Mapping[str, Any]) -> Typ
   """A TypeError naming the module field or apply kwarg that is not hashable, if any."""
   fields = _unhashable(module, type(module).__name__)
   if fields:
-    path, value = fields[0]
     named = ", ".join(f"{p} ({type(v).__name__})" for p, v in fields)
-    field = path.rsplit(".", 1)[-1]
-    hint = (f" ({field}={tuple(value)!r} for {value!r})" if isinstance(value, list) else "")
     return TypeError(
         f"linen_layer: the field {named} of the module is not hashable, and a layer "
         "function is hashed by its module so that identical layers share one capture. "
-        f"Make it hashable: a tuple instead of a list{hint}, a FrozenDict instead of a "
-        "dict; arrays go in as params or inputs.")
+        "Make it hashable (Flax already takes lists as tuples and dicts as FrozenDicts); "
+        "arrays go in as params or inputs.")
   kwargs = [(k, v) for k, v in apply_kwargs.items() if _unhashable(v, k)]
   if kwargs:
     named = ", ".join(f"{k} ({type(v).__name__})" for k, v in kwargs)

@@ -207,8 +207,8 @@ class GraphedCallable:
     if leaves is None:
       return self._call_traced(args, key)
     with self._exclusive():
-      return self._forward(args, leaves, treedef, key, phase="replay", iteration=self._counts.replays,
-                           microbatch=0, with_pullback=False)[0]
+      return self._forward(args, leaves, treedef, key, phase="replay",
+                           iteration=self._counts.replays, microbatch=0, with_pullback=False)[0]
 
   def vjp(self, *args: Any, key: jax.Array | None = None,
           **kwargs: Any) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
@@ -223,8 +223,8 @@ class GraphedCallable:
     if leaves is None:
       return self._vjp_traced(args, key)
     with self._exclusive():
-      return self._forward(args, leaves, treedef, key, phase="replay", iteration=self._counts.replays,
-                           microbatch=0, with_pullback=True)
+      return self._forward(args, leaves, treedef, key, phase="replay",
+                           iteration=self._counts.replays, microbatch=0, with_pullback=True)
 
   # ----------------------------------------------------------------------------- internals
 
@@ -258,7 +258,7 @@ class GraphedCallable:
       raise TypeError(f"{self.name} got key= but was built with rng=False; build it with "
                       "make_graphed(..., rng=True) to thread keys.")
     leaves, treedef = jax.tree.flatten(args)
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves) or isinstance(key, jax.core.Tracer):
+    if any(isinstance(value, jax.core.Tracer) for value in (*leaves, key)):
       return None, treedef
     if key is not None:
       rng_lib.check_key(key, self.name)
@@ -322,7 +322,7 @@ class GraphedCallable:
           if config.inference_only:
             entry = capture_lib.capture_inference(
                 self.fn, signature, n_keys=self._n_keys, name=self.name,
-                donated=pullback_lib.donated_leaves(signature.treedef,
+                donated=pullback_lib.argument_leaves(signature.treedef,
                                                     config.donate_argnums))
           else:
             entry = capture_lib.capture(
@@ -406,7 +406,7 @@ class GraphedCallable:
       with jax.profiler.TraceAnnotation(self._trace_names[0]):
         values = (exe(*self._stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
     except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
-      if entry.donated and any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+      if entry.donated and pullback_lib.any_deleted(leaves):
         raise RuntimeError(
             f"{self.name} got an array that was deleted or donated, e.g. a cache donated "
             "to an earlier call (make_graphed(..., donate_argnums=...)). Pass the arrays "

@@ -2,8 +2,9 @@
 the backward executables with what the forward kept.
 
 A pullback holds what its backward needs (forward inputs and outputs the backward reads, the
-kept residuals, the derived key) and nothing else; calling it replays the backward
-executable once and assembles one gradient per positional argument, like `jax.vjp`.
+kept residuals, the derived key), and the forward's arguments only where backward hooks will
+read them; calling it replays the backward executable once and assembles one gradient per
+positional argument, like `jax.vjp`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def arg_ranges(treedef: Any) -> tuple[tuple[Any, int, int], ...]:
   return tuple(ranges)
 
 
-def donated_leaves(treedef: Any, argnums: tuple[int, ...]) -> tuple[int, ...]:
+def argument_leaves(treedef: Any, argnums: tuple[int, ...]) -> tuple[int, ...]:
   """The argument leaves of the positional arguments `argnums` (a FlatTree: its buffers)."""
   return tuple(leaf for argnum, (_, lo, hi) in enumerate(arg_ranges(treedef))
                if argnum in argnums for leaf in range(lo, hi))
@@ -62,7 +63,7 @@ def backward_plan(signature: sig_lib.Signature, *, delay_wgrad: bool,
   diff = [i for i, s in enumerate(signature.leaves) if jnp.issubdtype(s.dtype, jnp.inexact)]
   if not delay_wgrad:
     return [("full", tuple(diff))]
-  weight_leaves = set(donated_leaves(signature.treedef, wgrad_argnums))
+  weight_leaves = set(argument_leaves(signature.treedef, wgrad_argnums))
   return [("dgrad", tuple(i for i in diff if i not in weight_leaves)),
           ("wgrad", tuple(i for i in diff if i in weight_leaves))]
 
@@ -82,11 +83,12 @@ def assemble(entry: capture_lib.Executables, values: Sequence[Any], select: tupl
       for argnum, (child, lo, hi) in enumerate(arg_ranges(entry.signature.treedef)))
 
 
-def _any_deleted(arrays: Sequence[Any]) -> bool:
+def any_deleted(arrays: Sequence[Any]) -> bool:
+  """Whether an array among `arrays` was deleted or donated (a call with it fails)."""
   return any(getattr(x, "is_deleted", lambda: False)() for x in arrays)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, repr=False)  # holds arrays: no elementwise ==, no dumps
 class ExecutableBackward:
   """The backward of one forward replay of `entry`: what it read, and how to run it.
 
@@ -132,7 +134,7 @@ class ExecutableBackward:
       with jax.profiler.TraceAnnotation(owner._trace_names[1]):
         return exe(*self.needed_inputs, *self.needed_outputs, *self.kept, *cts)
     except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
-      if _any_deleted(self.needed_inputs + self.needed_outputs):
+      if any_deleted(self.needed_inputs + self.needed_outputs):
         raise RuntimeError(
             f"the backward of {owner.name} needs arrays from its forward that were deleted "
             "or donated since (e.g. params donated to an optimizer step before the "
@@ -180,12 +182,13 @@ class Pullback:
 
   def __call__(self, cotangents: Any) -> tuple[Any, ...]:
     owner, event = self._owner, self._event
-    if self.consumed:
-      raise RuntimeError(
-          f"this pullback of {owner.name} was already called: a pullback replays its backward "
-          f"once (its residuals are released). Call {owner.name}.vjp(...) again for a new one.")
     pre, post = owner._backward_hooks(event.phase)
     with owner._exclusive():  # a backward is a use of its callable: not concurrent with others
+      if self.consumed:  # checked under the lock: two threads cannot both run it
+        raise RuntimeError(
+            f"this pullback of {owner.name} was already called: a pullback replays its "
+            f"backward once (its residuals are released). Call {owner.name}.vjp(...) again "
+            "for a new one.")
       if pre:
         hooks_lib.fire(pre, "pre_backward", dataclasses.replace(event, cotangents=cotangents),
                        owner.name)

@@ -39,7 +39,7 @@ def derive_key(base: jax.Array, index: jax.Array, counter: jax.Array) -> jax.Arr
   return jax.random.fold_in(jax.random.fold_in(base, index), counter)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # holds key arrays: no elementwise ==
 class KeyStream:
   """One callable's key stream: draw n is `derive_key(base, index, counter + n)`, derived
   inside the forward executable, which also returns the next counter (kept on the device:

@@ -422,7 +422,8 @@ def _vjp(layer: graphed_lib.GraphedCallable, args: tuple[Any, ...], microbatch: 
   leaves, treedef = layer._flatten(args, None, {})
   with layer._exclusive():
     return layer._forward(args, leaves, treedef, None, phase="replay",
-                          iteration=layer._counts.replays, microbatch=microbatch, with_pullback=True)
+                          iteration=layer._counts.replays, microbatch=microbatch,
+                          with_pullback=True)
 
 
 def _add(total: Any, grad: Any) -> Any:

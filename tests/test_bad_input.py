@@ -514,3 +514,11 @@ def test_sample_args_that_do_not_fit_the_function():
     assert not jg.is_capturing()
     assert traces() == expected_traces
   assert_good_call(jg.make_graphed(fn, sample_args=(P, X), num_warmup_iters=0))
+
+
+def test_numpy_counts_and_bools_are_taken_like_python_ones():
+  """A count or a flag read from a config as a numpy scalar is an int or a bool."""
+  g = jg.make_graphed(layer, sample_args=(P, X), num_warmup_iters=np.int64(1),
+                      max_captures=np.int32(2), per_layer_executables=np.bool_(False))
+  assert g.stats.captures == 1
+  assert jnp.array_equal(g(P, X), layer(P, X))

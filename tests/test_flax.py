@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -401,12 +402,22 @@ def test_linen_unhashable_module_field_is_named():
       return x
 
   x, _ = _data()
-  module = Widths([H, D])
-  variables = module.init(jax.random.key(0), x)
-  with pytest.raises(TypeError, match=r"Widths\.widths \(list\).*tuple instead of a list "
-                                      r"\(widths=\(16, 8\)"):
-    jgf.linen_layer(module, variables)
-  fn, _ = jgf.linen_layer(Widths((H, D)), variables)  # the fix the message names
+  variables = Widths([H, D]).init(jax.random.key(0), x)
+  # A list field is applied as the tuple Flax's clone makes of it: the layers share.
+  listed, _ = jgf.linen_layer(Widths([H, D]), variables)
+  assert listed == jgf.linen_layer(Widths((H, D)), variables)[0]
+
+  class Scaled(nn.Module):
+    scale: np.ndarray
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+      return nn.Dense(D)(x) * self.scale
+
+  scaled = Scaled(np.ones(D))
+  with pytest.raises(TypeError, match=r"the field Scaled\.scale \(ndarray\) of the module is "
+                                      r"not hashable.*arrays go in as params or inputs"):
+    jgf.linen_layer(scaled, scaled.init(jax.random.key(0), x))
   dense = nn.Dense(D)
   with pytest.raises(TypeError, match=r"apply_kwargs must be hashable.*scale \(ArrayImpl\)"):
     jgf.linen_layer(dense, dense.init(jax.random.key(0), x), scale=jnp.ones(3))
@@ -643,6 +654,78 @@ def test_nnx_kv_cache_decode_loop_donates_the_cache():
   assert [layer.stats.compiles for layer in layers] == compiles  # no compile after the first
   assert [layer.stats.captures for layer in layers] == [1] + [0] * (DEPTH - 1)
   assert int(caches[0]["attn"]["cache_index"][...]) == steps
+
+
+def test_nnx_filters_given_as_lists_and_overlapping_filters():
+  """List filters work like tuples (they used to be blamed on mutable as unhashable), and a
+  mutable filter that wrt already selects is refused instead of returning empty state."""
+  block = NnxBatchNormBlock(rngs=nnx.Rngs(0))
+  fn, params, state = jgf.nnx_layer(block, wrt=[nnx.Param], mutable=[nnx.BatchStat])
+  listed, _, _ = jgf.nnx_layer(block, wrt=(nnx.Param,), mutable=(nnx.BatchStat,))
+  assert fn == listed and hash(fn) == hash(listed)
+  assert jax.tree.leaves(state)
+  with pytest.raises(ValueError, match="wrt=.* selects them first"):
+    jgf.nnx_layer(block, wrt=(nnx.Param, nnx.BatchStat), mutable=nnx.BatchStat)
+
+
+class InnerDense(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(D)(x)
+
+
+class WithSubmoduleField(nn.Module):
+  inner: nn.Module
+
+  @nn.compact
+  def __call__(self, x):
+    return self.inner(x) + 1
+
+
+class ParentOfFieldBlocks(nn.Module):
+
+  def setup(self):
+    self.blocks = [WithSubmoduleField(InnerDense()) for _ in range(2)]
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return x
+
+
+def test_linen_block_of_a_bound_parent_with_a_submodule_field():
+  """A bound block whose field is a module (bound too, through the parent) is applied
+  unbound: its function hashes and computes what the unbound block computes."""
+  x, _ = _data()
+  variables = ParentOfFieldBlocks().init(jax.random.key(0), x)
+  bound = ParentOfFieldBlocks().bind(variables).blocks[1]
+  block_variables = {"params": variables["params"]["blocks_1"]}
+  fn, params = jgf.linen_layer(bound, block_variables)
+  hash(fn)
+  want = WithSubmoduleField(InnerDense()).apply(block_variables, x)
+  assert trees_equal(jax.jit(fn)(params, x), want)
+
+
+@pytest.fixture
+def frozendict_results():
+  """Flax's `flax_return_frozendict=True`, restored after the test."""
+  before = flax.config.flax_return_frozendict
+  flax.config.update("flax_return_frozendict", True)
+  yield
+  flax.config.update("flax_return_frozendict", before)
+
+
+def test_linen_mutable_state_under_flax_return_frozendict(frozendict_results):
+  """apply then returns a FrozenDict: the state still goes in and comes back as one dict."""
+  x, _ = _data()
+  block = BatchNormBlock()
+  variables = block.init(jax.random.key(0), x, train=False)
+  fn, params, state = jgf.linen_layer(block, variables, mutable=["batch_stats"], train=True)
+  _, new_state = fn(params, state, x)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  _, newer = fn(params, new_state, x)  # passed back as it came
+  assert jax.tree.structure(newer) == jax.tree.structure(state)
 
 
 def test_nnx_mutable_state_missing_from_the_call_is_named():

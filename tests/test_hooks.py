@@ -185,6 +185,19 @@ def test_post_warmup_hook_does_not_run_when_pre_warmup_hook_raises():
   assert calls == ["pre"]
 
 
+def test_a_raising_post_warmup_hook_does_not_hide_the_warmup_error():
+  """The warmup's own error is the one raised; the hook's is a note on it."""
+
+  def post():
+    raise ValueError("post")
+
+  with pytest.raises(Boom) as info:
+    _two_layers(hooks=_raise_in("warmup", "backward"), num_warmup_iters=1,
+                post_warmup_hook=post)
+  assert any("post_warmup_hook raised too" in note for note in info.value.__notes__)
+  assert not jg.is_capturing()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_hook_raising_during_replay_leaves_callable_usable(kind):
   fail = [True]
