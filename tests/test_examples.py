@@ -220,7 +220,7 @@ def test_llama_kv_cache_decode_matches_the_full_forward(llama):
       x = layers[0](params[0], tokens)
       for i, (layer, layer_params) in enumerate(zip(layers[1:-1], params[1:-1])):
         x, caches[i] = layer(layer_params, x, positions, caches[i])
-      return layers[-1](params[-1], x[:, -1:], None, params[0]["embedding"][...])[:, 0]
+      return layers[-1](params[-1], x[:, -1:], None, params[0])[:, 0]  # tied: the embedding
 
     got = [run(prefill, tokens[:, :prompt], jnp.arange(prompt))]
     got += [run(decode, tokens[:, t:t + 1], jnp.array([t])) for t in range(prompt, 10)]
