@@ -206,9 +206,9 @@ class Placement:
   method hands back what it gets (`host` is `jax.device_get`), so that run is unchanged.
   With --fsdp N: on a one-axis mesh of N devices (`jg.fsdp.make_mesh`). The params, their
   grads and the optimizer state are sharded along it (`jg.fsdp.shard`: every flat buffer of
-  at least `jg.fsdp.MIN_SHARD_SIZE` elements padded to a multiple of N and split N ways,
-  the smaller ones, norm scales, replicated), each batch is split along it (data parallel
-  over the same devices), scalars and keys are replicated. With several processes
+  at least `min_size` elements padded to a multiple of N and split N ways, the smaller ones
+  replicated: `shard_threshold` keeps the norm scales whole), each batch is split along it
+  (data parallel over the same devices), scalars and keys are replicated. With several processes
   (`jax.distributed`) the mesh holds every process's devices and `host` gathers the shards
   of all of them.
 
@@ -219,8 +219,8 @@ class Placement:
   collectives wrongly across processes and deadlock. GPU streams run executables in order.
   """
 
-  def __init__(self, mesh: Mesh | None = None):
-    self.mesh = mesh
+  def __init__(self, mesh: Mesh | None = None, min_size: int = fsdp.MIN_SHARD_SIZE):
+    self.mesh, self.min_size = mesh, min_size
     self.serial = (mesh is not None and jax.process_count() > 1
                    and mesh.devices.flat[0].platform == "cpu")
 
@@ -240,12 +240,15 @@ class Placement:
   def shard(self, params: Params) -> Params:
     """The params placed (`jg.fsdp.shard`: FlatTree buffers padded, sharded, and gathered
     once per buffer where a layer unravels them)."""
-    return params if self.mesh is None else fsdp.shard(params, self.mesh)
+    return params if self.mesh is None else fsdp.shard(params, self.mesh,
+                                                        min_size=self.min_size)
 
   def shardings(self, tree: Any) -> Any:
     """The sharding of every leaf of `tree` (arrays or abstract values) under the placement
     rule of `shard`, for `jax.jit(..., out_shardings=)`; None without a mesh."""
-    return None if self.mesh is None else fsdp.shardings(tree, self.mesh)
+    if self.mesh is None:
+      return None
+    return fsdp.shardings(tree, self.mesh, min_size=self.min_size)
 
   def jit(self, fn: Callable[..., Any], *, out_shardings: Any, **options: Any) -> Any:
     """`jax.jit(fn, **options)`, with `out_shardings` only when there is a mesh."""
@@ -782,6 +785,15 @@ def memory_estimate(preset: Preset, vocab: int) -> dict[str, int]:
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
 
+def shard_threshold(params: Params) -> int:
+  """`Placement.min_size` for `params` (FlatTrees): above every "no_decay" buffer, so that
+  the norm scales stay whole on every device (a few KB a layer; split, they would cost each
+  layer one more all-gather in its forward and backward: the gpu presets' 1,536 and 4,096
+  scales of a block are above jg.fsdp's default of 1,024), and at least that default."""
+  scales = [spec.size for p in params for spec in p.layout.buffers if spec.group == "no_decay"]
+  return max([fsdp.MIN_SHARD_SIZE, *(size + 1 for size in scales)])
+
+
 def fsdp_mesh(devices: int | None) -> Mesh | None:
   """--fsdp N: a one-axis mesh ("fsdp") over this process's first N devices, or, with
   several processes, over all of them (`parse` checked N); None without --fsdp."""
@@ -864,7 +876,7 @@ def fsdp_report(placement: Placement, trainer: Stepper, params: Params, opt_stat
         f"{unsharded / 1e6:.3f} MB unsharded (1/{unsharded / per_device:.2f}; float32 params, "
         f"AdamW moments, summed grads, one microbatch's grads); {len(split)} of "
         f"{len(buffers)} param buffers split {placement.devices} ways, the others (under "
-        f"{fsdp.MIN_SHARD_SIZE} elements) replicated")
+        f"{placement.min_size:,} elements: norm scales) replicated")
   print("collectives in the compiled HLO, per executable: " + "; ".join(
       f"{name} {counts}" for name, counts in found.items())
         + f"; per step ({microbatches} microbatches): {per_step}")
@@ -966,6 +978,7 @@ def resolve(args: argparse.Namespace) -> Preset:
   return dataclasses.replace(PRESETS[args.preset], **{
       name: value for name, value in (("dropout", args.dropout),
                                        ("microbatches", args.microbatches),
+                                       ("batch", args.batch),
                                        ("attention", args.attention),
                                        ("rounds", args.rounds),
                                        ("round_steps", args.round_steps)) if value is not None})
@@ -973,12 +986,14 @@ def resolve(args: argparse.Namespace) -> Preset:
 
 def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
   """What makes two runs the same run, by flag name: saved with every checkpoint, and
-  compared by --resume (how tokens/s is measured, --check and generation are left out)."""
+  compared by --resume (how tokens/s is measured, --check and generation are left out).
+  `fsdp` and `batch` are None where not given (the batch: the preset's), as in checkpoints
+  written before those flags, which therefore still resume."""
   return {"preset": args.preset, "steps": args.steps or preset.steps, "seed": args.seed,
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
           "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
-          "whole_step": args.whole_step, "fsdp": args.fsdp}
+          "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch}
 
 
 def check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -1041,6 +1056,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--dropout", type=float,
                       help="residual dropout rate in [0, 1) (default: the preset's)")
   parser.add_argument("--microbatches", type=int, help="per step (default: the preset's)")
+  parser.add_argument("--batch", type=int,
+                      help="sequences per microbatch (default: the preset's); with --fsdp N "
+                           "split N ways, so N times a batch per device keeps that fixed")
   parser.add_argument("--flat", action=argparse.BooleanOptionalAction, default=True,
                       help="each part's params as flat buffers (jg.flat.ravel), one per "
                            "(decay group, dtype): fewer leaves per executable call (default; "
@@ -1071,7 +1089,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--num-processes", type=int, help="with --coordinator")
   parser.add_argument("--process-id", type=int, help="with --coordinator: 0, 1, ...")
   args = parser.parse_args(argv)
-  for name in ("steps", "stop_after", "microbatches", "rounds", "round_steps"):
+  for name in ("steps", "stop_after", "microbatches", "batch", "rounds", "round_steps"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} takes a number >= 1, got {getattr(args, name)}")
   for name in ("seed", "generate"):
@@ -1084,6 +1102,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if args.whole_step and args.check:
     parser.error("--check compares the graphed step with the whole-step jax.jit; with "
                  "--whole-step there is no graphed step: drop one of them")
+  if args.batch == PRESETS[args.preset].batch:
+    args.batch = None  # the preset's: the same run as without the flag (--resume compares)
   preset = resolve(args)
   if preset.attention == "cudnn" and args.dtype != "bfloat16":
     parser.error("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
@@ -1105,17 +1125,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   graph_ends = not args.plain_ends
   mode = "whole-step jax.jit" if args.whole_step else "graphed"
   args.out.mkdir(parents=True, exist_ok=True)
-  placement = Placement(fsdp_mesh(args.fsdp))
+  mesh = fsdp_mesh(args.fsdp)
   writer = jax.process_index() == 0  # metrics.json and loss.png: one process writes them
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; preset {args.preset}: {preset}")
-  if placement.mesh is not None:
+  if mesh is not None:
     print(f"--fsdp {args.fsdp}: params, grads and optimizer state sharded over "
-          f"{placement.devices} {jax.devices()[0].platform} devices of {jax.process_count()} "
-          f"process(es), each batch split over them ({preset.batch // placement.devices} "
+          f"{mesh.size} {jax.devices()[0].platform} devices of {jax.process_count()} "
+          f"process(es), each batch split over them ({preset.batch // mesh.size} "
           "sequences per device and microbatch)")
 
   corpus = Corpus(CORPUS, preset.context, preset.batch, args.seed, held_out=0.1,
-                  sharding=placement.batch)
+                  sharding=None if mesh is None else fsdp.batch_sharding(mesh))
   config = model_config(preset, len(corpus.chars), untied=args.untied, dtype=args.dtype)
   model = Llama(config, rngs=nnx.Rngs(params=args.seed))
 
@@ -1130,6 +1150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = [jg.flat.ravel(p, group=flat_group) for p in params]
     print(f"params held flat: {len(jax.tree.leaves(params))} buffers for "
           f"{sum(len(p.layout.slots) for p in params)} leaves")
+  placement = Placement() if mesh is None else Placement(mesh, shard_threshold(params))
   params = placement.shard(params)
 
   # Capture. Training: forward + backward, dropout keys from each layer's stream (not with
