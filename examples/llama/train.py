@@ -743,6 +743,14 @@ def report_check(found: dict[str, Any], loop: dict[str, Any], compute_dtype: Any
 # --------------------------------------------------------------------------------- memory
 
 
+def peak_bytes() -> int | None:
+  """The largest `peak_bytes_in_use` over this process's devices; None where devices keep no
+  memory statistics (CPU)."""
+  peaks = [stats.get("peak_bytes_in_use") for device in jax.local_devices()
+           if (stats := device.memory_stats())]
+  return max((peak for peak in peaks if peak is not None), default=None)
+
+
 def state_bytes(count: int) -> int:
   """Device bytes of the training state of `count` float32 params: the params, AdamW's two
   moments, the summed grads and one microbatch's grads (5 x 4 bytes a param)."""
@@ -1281,6 +1289,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{losses[-1]:.4f}{held_out}; {rate}")
   else:
     print(f"the checkpoint is at step {stop}, the run's last: nothing left to train")
+  peak = peak_bytes()
+  if peak is not None:  # GPUs; CPU devices keep no memory statistics
+    result["peak_bytes"] = peak
+    print(f"peak device memory so far (capture, training; before --check): {peak / 2**30:.2f} "
+          "GiB, the largest over this process's devices")
 
   if check and run_steps:
     whole = WholeStep(fns, config, tx, preset.microbatches, check_start.streams, graph_ends,
