@@ -135,7 +135,20 @@ class PlainLayer:
     return self._jitted(*args)
 
   def vjp(self, *args: Any) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
-    return jax.vjp(self._jitted, *args)
+    out, pullback = jax.vjp(self._jitted, *args)
+
+    def backward(cotangent: Any) -> tuple[Any, ...]:
+      # Each grad placed like its input, as a graphed layer's backward returns it (--fsdp:
+      # sharded like the params; XLA's choice for the transposed jit may be replicated).
+      def place(grad: Any, arg: Any) -> Any:
+        if isinstance(grad, jax.Array) and isinstance(arg, jax.Array) and (
+            grad.sharding != arg.sharding):
+          return jax.device_put(grad, arg.sharding)
+        return grad
+
+      return jax.tree.map(place, pullback(cotangent), args)
+
+    return out, backward
 
 
 def split(model: Llama) -> tuple[list[Callable[..., Any]], Params]:
