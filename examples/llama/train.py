@@ -239,10 +239,12 @@ class Placement:
 
   @property
   def devices(self) -> int:
+    """How many devices the state is split over (1 without a mesh)."""
     return 1 if self.mesh is None else self.mesh.size
 
   @property
   def replicated(self) -> NamedSharding | None:
+    """Whole on every device of the mesh (scalars, keys, positions); None without one."""
     return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
 
   @property
