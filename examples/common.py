@@ -16,12 +16,14 @@ import pathlib
 import shutil
 import sys
 import warnings
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import Sharding
 
 import jaxgraph as jg
 import jaxgraph.rng
@@ -44,11 +46,13 @@ class Corpus:
   """The text as character ids; batch `step` is a function of (seed, step) only.
 
   With `held_out` > 0, that fraction at the end of the text is kept out of training and
-  read by `eval_batch`.
+  read by `eval_batch`. With a `sharding` (data parallel: the batch dimension split over a
+  mesh) every batch is placed with it; with several processes each one makes the same whole
+  batch and keeps its own devices' rows.
   """
 
   def __init__(self, path: pathlib.Path, context: int, batch: int, seed: int,
-               held_out: float = 0.0):
+               held_out: float = 0.0, sharding: Sharding | None = None):
     text = path.read_text(encoding="ascii")
     self.chars = sorted(set(text))
     self.index = {c: i for i, c in enumerate(self.chars)}
@@ -56,11 +60,20 @@ class Corpus:
     split = len(ids) - int(held_out * len(ids))
     self.ids, self.held_out_ids = ids[:split], ids[split:]
     self.context, self.batch, self.seed = context, batch, seed
+    self.sharding = sharding
 
   def _windows(self, ids: np.ndarray, seed: Sequence[int]) -> tuple[jax.Array, jax.Array]:
     starts = np.random.default_rng(seed).integers(0, len(ids) - self.context - 1, self.batch)
     window = np.stack([ids[s:s + self.context + 1] for s in starts])
-    return jnp.asarray(window[:, :-1]), jnp.asarray(window[:, 1:])
+    tokens, targets = window[:, :-1], window[:, 1:]
+    if self.sharding is None:
+      return jnp.asarray(tokens), jnp.asarray(targets)
+    # From the host copy each process holds: no cross-process check of equal values, which
+    # `jax.device_put` to a global sharding runs (a collective per call).
+    def place(part: np.ndarray) -> jax.Array:
+      return jax.make_array_from_callback(part.shape, self.sharding, lambda index: part[index])
+
+    return place(tokens), place(targets)
 
   def batch_at(self, step: int) -> tuple[jax.Array, jax.Array]:
     """Training batch `step`: (tokens, next tokens), each (batch, context)."""
@@ -131,21 +144,30 @@ class Checkpoints:
   against the step's digests and falls back to the previous step when the latest cannot be
   read or fails the check. A step it skipped is moved out of the way (into
   `checkpoints-rejected/`): Orbax silently skips saving a step at or below one it holds.
+
+  Sharded arrays (FSDP) save and restore as Orbax does them: each process writes its own
+  shards, and a restore places every array with the sharding of its target. The digests are
+  of whole arrays: `host` gives them to the hashing (`jax.device_get` where every shard is
+  local; with several processes, a gather of every process's shards).
   """
 
   @classmethod
-  def for_run(cls, out: pathlib.Path, *, resume: bool) -> "Checkpoints":
+  def for_run(cls, out: pathlib.Path, *, resume: bool,
+              host: Callable[[Any], Any] | None = None) -> "Checkpoints":
     """The checkpoints of a run writing to `out`; without `resume`, an earlier run's are
-    removed first (the run starts afresh)."""
+    removed first (the run starts afresh; by process 0, the others wait for it)."""
     directory = out / "checkpoints"
-    if not resume and directory.exists():
+    if not resume and directory.exists() and jax.process_index() == 0:
       print(f"starting afresh: removing the checkpoints of an earlier run in {out} "
             "(pass --resume to continue it)")
       shutil.rmtree(directory)
-    return cls(directory)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("examples.common.Checkpoints.for_run")
+    return cls(directory, host=host)
 
-  def __init__(self, directory: pathlib.Path):
+  def __init__(self, directory: pathlib.Path, *, host: Callable[[Any], Any] | None = None):
     self.directory = directory.absolute()
+    self._host = host or (lambda tree: tree)
     self.rejected = self.directory.parent / "checkpoints-rejected"
     self._open()
 
@@ -155,8 +177,10 @@ class Checkpoints:
 
   @staticmethod
   def _tree(params: Any, opt_state: Any, streams: Streams) -> dict[str, Any]:
+    # The keys as NumPy arrays: a key on one local device is no array Orbax can save with
+    # several processes (it saves NumPy arrays from process 0).
     return {"params": params, "opt_state": opt_state,
-            "streams": [{"key": jax.random.key_data(base),
+            "streams": [{"key": np.asarray(jax.random.key_data(base)),
                          "counter": np.asarray(counter, np.uint32)} for base, counter in streams]}
 
   def save(self, step: int, params: Any, opt_state: Any, streams: Streams,
@@ -164,7 +188,7 @@ class Checkpoints:
     """Saves step `step`: the state, and `meta` (JSON: config, loss history) with the
     state's digests, in one Orbax step."""
     tree = self._tree(params, opt_state, streams)
-    meta = {**meta, "step": step, "digests": tree_digests(tree)}
+    meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
     saved = self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
     if not saved:
@@ -233,7 +257,7 @@ class Checkpoints:
     expected = meta.get("digests")
     if not isinstance(expected, dict):
       return "has no digests (written by an older version of this example?)"
-    found = tree_digests(state)
+    found = tree_digests(self._host(state))
     bad = sorted(path for path in expected.keys() | found.keys()
                  if expected.get(path) != found.get(path))
     if bad:

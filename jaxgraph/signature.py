@@ -39,13 +39,25 @@ _canonical: dict[Sharding, Sharding] = {}
 
 def _canonicalize(sharding: Sharding) -> Sharding:
   """One object per placement: `P("fsdp", None)` and `P("fsdp")` place a leaf the same way,
-  and XLA reports outputs in the short form, so params would change signature after a step."""
+  and XLA reports outputs in the short form, so params would change signature after a step.
+  Likewise a dimension split along mesh axes of size 1 is not split at all (XLA reports
+  `P()` for the output of a layer whose input was `P("fsdp")` on a one-device mesh)."""
   if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec)
+    spec = tuple(_drop_unit_axes(entry, sharding.mesh.shape) for entry in sharding.spec)
     while spec and spec[-1] is None:
       spec = spec[:-1]
     return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
   return sharding
+
+
+def _drop_unit_axes(entry: Any, sizes: Any) -> Any:
+  """One `PartitionSpec` entry without the mesh axes of size 1 (None if none is left)."""
+  if isinstance(entry, str):
+    return None if sizes[entry] == 1 else entry
+  if isinstance(entry, tuple):
+    axes = tuple(axis for axis in entry if sizes[axis] != 1)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return entry  # None, PartitionSpec.UNCONSTRAINED
 
 
 def _default_device(setting: Any) -> jax.Device:

@@ -273,3 +273,17 @@ def test_benchmark_runs_on_cpu(tmp_path):
   # Residuals per layer are far below one gathered layer (no gathered weight among them).
   assert graphed["analysis"]["forward"]["output"] < graphed["gathered_layer_bytes"] // 2
   assert set(result["time"]["step_s"]) == {"graphed", "jit"}
+
+
+def test_a_one_device_mesh_axis_is_no_new_signature():
+  # On a one-device mesh P("fsdp") and P() place an array alike; XLA reports the layer's
+  # output as P(), which passed to the next layer must replay the same executable.
+  mesh = fsdp.make_mesh(devices=devices_for(1)[:1])
+  x = jax.device_put(np.ones((8, 4), np.float32), fsdp.batch_sharding(mesh))
+  layer = jg.make_graphed(lambda x: jnp.tanh(x) @ jnp.ones((4, 4)), sample_args=(x,),
+                          num_warmup_iters=0, on_new_signature="error")
+  y = layer(x)
+  assert y.sharding.spec != x.sharding.spec and y.sharding.is_equivalent_to(x.sharding, 2)
+  y, pullback = layer.vjp(y)
+  pullback(jnp.ones_like(y))
+  assert layer.stats.captures == 1

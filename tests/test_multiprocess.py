@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -19,6 +17,7 @@ import pytest
 import fsdp_worker
 from jaxgraph import fsdp
 from models import devices_for
+from processes import free_port, run_processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(fsdp_worker.__file__).resolve()
@@ -26,35 +25,16 @@ PROCESSES, LOCAL_DEVICES = 2, 4
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _run_workers(tmp_path: pathlib.Path) -> list[dict[str, np.ndarray]]:
   """Starts the workers, waits for both (bounded), returns what each one saved."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-  port = _free_port()
+  port = free_port()
   outs = [tmp_path / f"process{i}.npz" for i in range(PROCESSES)]
-  procs = [subprocess.Popen(
-      [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", str(PROCESSES),
-       "--port", str(port), "--out", str(outs[i])],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(PROCESSES)]
-  logs = []
-  try:
-    for proc in procs:
-      logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-  except subprocess.TimeoutExpired:
-    for proc in procs:
-      proc.kill()
-    logs = [proc.communicate()[0] for proc in procs]
-    pytest.fail(f"the workers did not finish in {TIMEOUT_S} s:\n" + "\n".join(logs))
-  for i, (proc, log) in enumerate(zip(procs, logs)):
-    assert proc.returncode == 0, f"process {i} exited with {proc.returncode}:\n{log}"
+  run_processes([[sys.executable, str(WORKER), "--process-id", str(i), "--num-processes",
+                  str(PROCESSES), "--port", str(port), "--out", str(outs[i])]
+                 for i in range(PROCESSES)], env, TIMEOUT_S)
   return [dict(np.load(out)) for out in outs]
 
 

@@ -13,6 +13,10 @@
   ... --untied --dropout 0 --microbatches 4 --dtype float32
   ... --no-flat         # params as pytrees instead of flat buffers (jg.flat, the default)
   ... --residuals all   # keep every jax.vjp residual (default: recompute elementwise ones)
+  ... --fsdp 8          # params, grads and AdamW state sharded over 8 devices (jg.fsdp),
+                        # each batch split over them; --check's whole step sharded alike
+  ... --fsdp 8 --coordinator HOST:PORT --num-processes 2 --process-id I
+                        # one of 2 processes of one run (jax.distributed); docs/fsdp.md
 
 Training: fp32 master params and bf16 compute inside each layer; Optax AdamW without decay on
 the norms, global-norm clipping, a warmup-cosine schedule; gradient accumulation over
@@ -32,6 +36,7 @@ import dataclasses
 import functools
 import math
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -42,9 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxgraph as jg
 import jaxgraph.rng
+from jaxgraph import fsdp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # examples/common.py
 from common import (CORPUS, Checkpoints, Corpus, Streams,  # noqa: E402
@@ -127,7 +135,20 @@ class PlainLayer:
     return self._jitted(*args)
 
   def vjp(self, *args: Any) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
-    return jax.vjp(self._jitted, *args)
+    out, pullback = jax.vjp(self._jitted, *args)
+
+    def backward(cotangent: Any) -> tuple[Any, ...]:
+      # Each grad placed like its input, as a graphed layer's backward returns it (--fsdp:
+      # sharded like the params; XLA's choice for the transposed jit may be replicated).
+      def place(grad: Any, arg: Any) -> Any:
+        if isinstance(grad, jax.Array) and isinstance(arg, jax.Array) and (
+            grad.sharding != arg.sharding):
+          return jax.device_put(grad, arg.sharding)
+        return grad
+
+      return jax.tree.map(place, pullback(cotangent), args)
+
+    return out, backward
 
 
 def split(model: Llama) -> tuple[list[Callable[..., Any]], Params]:
@@ -136,7 +157,27 @@ def split(model: Llama) -> tuple[list[Callable[..., Any]], Params]:
   fns, params = zip(jg.flax.nnx_layer(model.embed),
                     *(jg.flax.nnx_layer(block, rngs_argument="rngs") for block in model.blocks),
                     jg.flax.nnx_layer(model.head))
-  return list(fns), list(params)
+  fns = list(fns)
+  if model.config.tie_embeddings:
+    fns[-1] = tie_head(fns[-1])
+  return fns, list(params)
+
+
+def tie_head(head_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """The head of tied embeddings taking the embedding's params as its last input (not the
+  table): it reads the table from them inside its own executables, and its pullback returns
+  the table's gradient shaped like the embedding's params (a FlatTree with --flat), which
+  `accumulate` adds to the embedding's own. With --fsdp the table's all-gather is then part
+  of the head's executables and its gradient comes back sharded like the embedding's buffer,
+  instead of an eager gather before every head call: an executable of its own, outside the
+  layers (one such hung a run of 2 CPU processes; `Placement.serial`)."""
+
+  def head(params: Any, x: jax.Array, targets: jax.Array | None, embed: Any,
+           **kwargs: Any) -> jax.Array:
+    return head_fn(params, x, targets, embed["embedding"][...], **kwargs)
+
+  head.__name__ = head_fn.__name__
+  return head
 
 
 def build_layers(fns: Sequence[Callable[..., Any]], sample_args: Sequence[tuple[Any, ...]], *,
@@ -162,10 +203,135 @@ def graphed(layers: Sequence[Layer]) -> list[jg.GraphedCallable]:
   return [layer for layer in layers if isinstance(layer, jg.GraphedCallable)]
 
 
-def tied_table(params: Params, config: Config) -> tuple[jax.Array, ...]:
-  """The head's extra input: the embedding table when the embeddings are tied (with
-  --flat, a slice of the embedding's buffer)."""
-  return (jg.flat.unravel(params[0])["embedding"][...],) if config.tie_embeddings else ()
+def tied_inputs(params: Params, config: Config) -> tuple[Any, ...]:
+  """The head's extra input: the embedding's params when the embeddings are tied
+  (`tie_head`)."""
+  return (params[0],) if config.tie_embeddings else ()
+
+
+# ------------------------------------------------------------------------------ placement
+
+
+class Placement:
+  """Where the training state and the batches live.
+
+  Without --fsdp (`mesh` None): on JAX's default device, where the arrays are made; every
+  method hands back what it gets (`host` is `jax.device_get`), so that run is unchanged.
+  With --fsdp N: on a one-axis mesh of N devices (`jg.fsdp.make_mesh`). The params, their
+  grads and the optimizer state are sharded along it (`jg.fsdp.shard`: every flat buffer of
+  at least `min_size` elements padded to a multiple of N and split N ways, the smaller ones
+  replicated: `shard_threshold` keeps the norm scales whole), each batch is split along it
+  (data parallel over the same devices), scalars and keys are replicated. With several processes
+  (`jax.distributed`) the mesh holds every process's devices and `host` gathers the shards
+  of all of them.
+
+  With several CPU processes every executable is waited for before the next one starts
+  (`serial`, `wait`, `hooks`): their collectives go through gloo, and two executables with
+  collectives that run at once (the CPU runtime starts independent ones concurrently, e.g.
+  the next microbatch's embedding forward during this one's backward) can pair their
+  collectives wrongly across processes and deadlock. GPU streams run executables in order.
+  """
+
+  def __init__(self, mesh: Mesh | None = None, min_size: int = fsdp.MIN_SHARD_SIZE):
+    self.mesh, self.min_size = mesh, min_size
+    self.serial = (mesh is not None and jax.process_count() > 1
+                   and mesh.devices.flat[0].platform == "cpu")
+
+  @property
+  def devices(self) -> int:
+    """How many devices the state is split over (1 without a mesh)."""
+    return 1 if self.mesh is None else self.mesh.size
+
+  @property
+  def replicated(self) -> NamedSharding | None:
+    """Whole on every device of the mesh (scalars, keys, positions); None without one."""
+    return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+  @property
+  def batch(self) -> NamedSharding | None:
+    """The batch dimension split over the mesh (`jg.fsdp.batch_sharding`)."""
+    return None if self.mesh is None else fsdp.batch_sharding(self.mesh)
+
+  def shard(self, params: Params) -> Params:
+    """The params placed (`jg.fsdp.shard`: FlatTree buffers padded, sharded, and gathered
+    once per buffer where a layer unravels them)."""
+    return params if self.mesh is None else fsdp.shard(params, self.mesh,
+                                                        min_size=self.min_size)
+
+  def shardings(self, tree: Any) -> Any:
+    """The sharding of every leaf of `tree` (arrays or abstract values) under the placement
+    rule of `shard`, for `jax.jit(..., out_shardings=)`; None without a mesh."""
+    if self.mesh is None:
+      return None
+    return fsdp.shardings(tree, self.mesh, min_size=self.min_size)
+
+  def jit(self, fn: Callable[..., Any], *, out_shardings: Any, **options: Any) -> Any:
+    """`jax.jit(fn, **options)`, with `out_shardings` only when there is a mesh."""
+    if self.mesh is not None:
+      options["out_shardings"] = out_shardings
+    return jax.jit(fn, **options)
+
+  def replicate(self, tree: Any) -> Any:
+    """Every leaf of `tree` (the same value in every process) whole on every device."""
+    if self.mesh is None:
+      return tree
+
+    def put(x: Any) -> Any:
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(put(jax.random.key_data(x)),
+                                        impl=jax.random.key_impl(x))
+      # From the host: an array committed to one device cannot go to another process's.
+      return jax.device_put(np.asarray(x), self.replicated)
+
+    return jax.tree.map(put, tree)
+
+  def wait(self, tree: Any) -> Any:
+    """`tree`, waited for when executables run one at a time (`serial`)."""
+    return jax.block_until_ready(tree) if self.serial else tree
+
+  def hooks(self) -> dict[str, Any]:
+    """`make_graphed` options: with `serial`, hooks that wait for every layer's outputs and
+    grads (each layer call is one executable)."""
+    if not self.serial:
+      return {}
+
+    def wait(event: jg.HookEvent) -> None:
+      if event.phase != "capture":  # abstract values at capture
+        jax.block_until_ready((event.outputs, event.grads))
+
+    return {"hooks": jg.Hooks(forward=[wait], backward=[wait])}
+
+  def put(self, tree: Any) -> Any:
+    """Host values (from `host`) back on the devices, placed by the rule of `shard`."""
+    return jax.device_put(tree, self.shardings(tree))
+
+  def abstract(self, tree: Any) -> Any:
+    """What `put(tree)` would place, as `jax.ShapeDtypeStruct`s (to compile for, without a
+    copy on the devices); `tree` itself without a mesh."""
+    if self.mesh is None:
+      return tree
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+                        tree, self.shardings(tree))
+
+  def host(self, tree: Any) -> Any:
+    """`tree` as NumPy arrays holding the whole values (every process gets all of them)."""
+    if jax.process_count() == 1:
+      return jax.device_get(tree)
+
+    def fetch(x: Any) -> Any:
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return multihost_utils.process_allgather(x, tiled=True)
+      return jax.device_get(x)
+
+    return jax.tree.map(fetch, tree)
+
+  def local(self, params: Params) -> Params:
+    """The params whole on this process's default device, gathered from the mesh (for
+    generation: one sequence, nothing to split)."""
+    if self.mesh is None:
+      return params
+    return [jg.flat.with_unravel_sharding(jax.tree.map(jnp.asarray, p), None)
+            for p in self.host(params)]
 
 
 # ------------------------------------------------------------------------------- training
@@ -173,13 +339,11 @@ def tied_table(params: Params, config: Config) -> tuple[jax.Array, ...]:
 Grads = tuple[Params, jax.Array]  # summed grads and summed loss over the microbatches so far
 
 
-def accumulate(total: Grads, grads: Params, table_grad: jax.Array | None,
-               loss: jax.Array) -> Grads:
-  """Adds one microbatch's grads and loss; `table_grad` is the tied head's share of the
-  embedding table's grad (None when it is already in `grads[0]`)."""
-  if table_grad is not None:
-    # The embedding's only param is its table (with --flat, the one buffer holding it).
-    grads = [jax.tree.map(lambda g: g + table_grad.reshape(g.shape), grads[0]), *grads[1:]]
+def accumulate(total: Grads, grads: Params, table_grads: Any, loss: jax.Array) -> Grads:
+  """Adds one microbatch's grads and loss; `table_grads` is the tied head's share of the
+  embedding's grads, shaped like them (None when it is already in `grads[0]`)."""
+  if table_grads is not None:
+    grads = [jax.tree.map(jnp.add, grads[0], table_grads), *grads[1:]]
   return jax.tree.map(jnp.add, total, (grads, loss))
 
 
@@ -222,22 +386,29 @@ class Trainer:
   the microbatches, one optimizer update (`step`)."""
 
   def __init__(self, layers: Sequence[Layer], config: Config, tx: optax.GradientTransformation,
-               microbatches: int, params: Params, opt_state: Any):
+               microbatches: int, params: Params, opt_state: Any,
+               placement: Placement | None = None):
+    placement = self.placement = placement or Placement()
     self.layers, self.config, self.tx, self.microbatches = layers, config, tx, microbatches
-    self.one = jnp.ones((), jnp.float32)  # the loss cotangent
-    zeros = jax.jit(lambda params: (jax.tree.map(jnp.zeros_like, params),
-                                    jnp.zeros((), jnp.float32)))
+    self.one = placement.replicate(jnp.ones((), jnp.float32))  # the loss cotangent
+    # --fsdp: the summed grads, the params and the optimizer state keep their shardings
+    # (a params sharding that changed would be a new signature for every layer).
+    grads, state = placement.shardings(params), placement.shardings(opt_state)
+    scalar = placement.replicated
+    zeros = placement.jit(lambda params: (jax.tree.map(jnp.zeros_like, params),
+                                          jnp.zeros((), jnp.float32)),
+                          out_shardings=(grads, scalar))
     # Compiled ahead like the layers, so the first step pays for no compile.
     self.zeros = zeros.lower(params).compile()
     total = jax.eval_shape(zeros, params)
-    table = (jax.eval_shape(lambda: tied_table(params, config))[0]
-             if config.tie_embeddings else None)
-    self.accumulate = jax.jit(accumulate, donate_argnums=0).lower(
-        total, total[0], table, total[1]).compile()
+    table = total[0][0] if config.tie_embeddings else None  # shaped like the embedding's
+    self.accumulate = placement.jit(accumulate, donate_argnums=0, out_shardings=(grads, scalar)
+                                    ).lower(total, total[0], table, total[1]).compile()
     # The summed grads' buffers become the new params (donating the params too would leave
     # one of the two unused).
-    self.apply = jax.jit(functools.partial(apply_update, tx, microbatches),
-                         donate_argnums=(0, 1)).lower(total, opt_state, params).compile()
+    self.apply = placement.jit(functools.partial(apply_update, tx, microbatches),
+                               donate_argnums=(0, 1), out_shardings=(grads, state, scalar)
+                               ).lower(total, opt_state, params).compile()
 
   def microbatch(self, params: Params, tokens: jax.Array, targets: jax.Array,
                  positions: jax.Array) -> tuple[jax.Array, Params, jax.Array | None]:
@@ -245,26 +416,27 @@ class Trainer:
     embed, blocks, head = self.layers[0], self.layers[1:-1], self.layers[-1]
     x, embed_pullback = embed.vjp(params[0], tokens)
     x, blocks_pullback = jg.sequential_vjp(blocks, params[1:-1], x, consts=(positions,))
-    loss, head_pullback = head.vjp(params[-1], x, targets, *tied_table(params, self.config))
+    loss, head_pullback = head.vjp(params[-1], x, targets, *tied_inputs(params, self.config))
     head_grads, x_grads, _, *tied_grads = head_pullback(self.one)
     block_grads, x_grads = blocks_pullback(x_grads)
     embed_grads, _ = embed_pullback(x_grads)
-    table_grad = tied_grads[0] if tied_grads else None
-    return loss, [embed_grads, *block_grads, head_grads], table_grad
+    table_grads = tied_grads[0] if tied_grads else None
+    return loss, [embed_grads, *block_grads, head_grads], table_grads
 
   def grads(self, params: Params, batches: Sequence[tuple[jax.Array, jax.Array]],
             positions: jax.Array) -> Grads:
     """The grads and loss summed over `batches` (one (tokens, targets) per microbatch)."""
     total = self.zeros(params)
     for tokens, targets in batches:
-      loss, grads, table_grad = self.microbatch(params, tokens, targets, positions)
-      total = self.accumulate(total, grads, table_grad, loss)
+      loss, grads, table_grads = self.microbatch(params, tokens, targets, positions)
+      total = self.accumulate(total, grads, table_grads, loss)
     return total
 
   def step(self, params: Params, opt_state: Any, batches: Sequence[tuple[jax.Array, jax.Array]],
            positions: jax.Array) -> tuple[Params, Any, jax.Array]:
     """One optimizer step over `batches`: (params, opt_state, mean loss)."""
-    return self.apply(self.grads(params, batches, positions), opt_state, params)
+    return self.placement.wait(self.apply(self.grads(params, batches, positions), opt_state,
+                                          params))
 
   def streams(self) -> Streams:
     """The graphed layers' key-stream positions (for a checkpoint)."""
@@ -290,7 +462,7 @@ def evaluate(layers: Sequence[Layer], params: Params, config: Config, corpus: Co
     x = layers[0](params[0], tokens)
     for layer, layer_params in zip(layers[1:-1], params[1:-1]):
       x = layer(layer_params, x, positions)
-    losses.append(layers[-1](params[-1], x, targets, *tied_table(params, config)))
+    losses.append(layers[-1](params[-1], x, targets, *tied_inputs(params, config)))
   return float(jnp.mean(jnp.stack(losses)))
 
 
@@ -313,7 +485,8 @@ class Stepper(Protocol):
 def make_whole_step(fns: Sequence[Callable[..., Any]], config: Config,
                     tx: optax.GradientTransformation, microbatches: int,
                     block_streams: range, remat_policy: Callable[..., bool] | None = None,
-                    graph_ends: bool = True
+                    graph_ends: bool = True, placement: Placement | None = None,
+                    params: Params | None = None, opt_state: Any = None
                     ) -> tuple[Callable[..., Grads], Callable[..., Any]]:
   """The same step as one `jax.jit`: the same layer functions, keys, accumulation, update.
 
@@ -324,8 +497,11 @@ def make_whole_step(fns: Sequence[Callable[..., Any]], config: Config,
   returns the counters advanced by `microbatches`. With `remat_policy` (the graphed layers'
   --residuals), the grads run each graphed part (the ends too unless `graph_ends` is False)
   under `jax.checkpoint` with it: the same math as the graphed layers, for the bitwise
-  comparison. The step stays the plain one a user writes.
+  comparison. The step stays the plain one a user writes. With a `placement` on a mesh
+  (--fsdp) the step returns the params and optimizer state with the shardings of
+  `params` and `opt_state` (the graphed step's), the loss and counters replicated.
   """
+  placement = placement or Placement()
   graphed_parts = range(len(fns)) if graph_ends else range(1, len(fns) - 1)
 
   def loss_fn(params, tokens, targets, positions, keys, policy=None):
@@ -336,7 +512,7 @@ def make_whole_step(fns: Sequence[Callable[..., Any]], config: Config,
     x = embed_fn(params[0], tokens)
     for fn, layer_params, key in zip(block_fns, params[1:-1], keys):
       x = fn(layer_params, x, positions, key=key)
-    return head_fn(params[-1], x, targets, *tied_table(params, config))
+    return head_fn(params[-1], x, targets, *tied_inputs(params, config))
 
   def grads(params, batches, positions, bases, counters, policy=None):
     total = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
@@ -347,12 +523,14 @@ def make_whole_step(fns: Sequence[Callable[..., Any]], config: Config,
       total = accumulate(total, microbatch_grads, None, loss)
     return total
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1, 5))
   def step(params, opt_state, batches, positions, bases, counters):
     total = grads(params, batches, positions, bases, counters)
     return (*apply_update(tx, microbatches, total, opt_state, params),
             counters + jnp.uint32(microbatches))
 
+  scalar = placement.replicated
+  step = placement.jit(step, donate_argnums=(0, 1, 5), out_shardings=(
+      placement.shardings(params), placement.shardings(opt_state), scalar, scalar))
   return jax.jit(functools.partial(grads, policy=remat_policy)), step
 
 
@@ -366,37 +544,41 @@ class WholeStep:
 
   Its keys come from the streams the graphed layers would draw from (one base key and
   counter per graphed layer; the blocks' are used), held on the device and advanced inside
-  the executable, so a step pays no host work for them. Compiled at construction.
+  the executable, so a step pays no host work for them. Compiled at construction, for the
+  shardings of `params`, `opt_state` and `batches` (--fsdp: the graphed step's).
   """
 
   def __init__(self, fns: Sequence[Callable[..., Any]], config: Config,
                tx: optax.GradientTransformation, microbatches: int, streams: Streams,
                graph_ends: bool, params: Params, opt_state: Any, batches: Batches,
-               positions: jax.Array, remat_policy: Callable[..., bool] | None = None):
+               positions: jax.Array, remat_policy: Callable[..., bool] | None = None,
+               placement: Placement | None = None):
     self.microbatches = microbatches
+    self.placement = placement or Placement()
     self.seed(streams)
     first = 1 if graph_ends else 0  # the blocks' streams (the embedding's is first)
     self.grads, step = make_whole_step(fns, config, tx, microbatches,
                                        range(first, first + config.depth), remat_policy,
-                                       graph_ends)
+                                       graph_ends, self.placement, params, opt_state)
     begin = time.perf_counter()
-    self._step = step.lower(params, opt_state, batches, positions, self.bases,
-                            self.counters).compile()
+    self.compiled = step.lower(params, opt_state, batches, positions, self.bases,
+                               self.counters).compile()
     self.compile_seconds = time.perf_counter() - begin
 
   def step(self, params: Params, opt_state: Any, batches: Batches, positions: jax.Array
            ) -> tuple[Params, Any, jax.Array]:
     """One optimizer step over `batches`: (params, opt_state, mean loss); donates both."""
-    params, opt_state, loss, self.counters = self._step(params, opt_state, batches, positions,
-                                                        self.bases, self.counters)
+    params, opt_state, loss, self.counters = self.placement.wait(self.compiled(
+        params, opt_state, batches, positions, self.bases, self.counters))
     return params, opt_state, loss
 
   def streams(self) -> Streams:
     return [(base, int(counter)) for base, counter in zip(self.bases, np.asarray(self.counters))]
 
   def seed(self, streams: Streams) -> None:
-    self.bases = tuple(base for base, _ in streams)
-    self.counters = jnp.asarray([counter for _, counter in streams], jnp.uint32)
+    self.bases = self.placement.replicate(tuple(base for base, _ in streams))
+    self.counters = self.placement.replicate(
+        jnp.asarray([counter for _, counter in streams], jnp.uint32))
 
 
 class Start(NamedTuple):
@@ -432,11 +614,12 @@ def compare_with_whole_step(whole: WholeStep, start: Start, corpus: Corpus, step
   `first_grads`, against the whole step's under one `jax.jit`; every step's loss; the final
   `params`) and the whole step's compile time; and the whole step's final state.
   """
-  check_params, check_state = jax.device_put((start.params, start.opt_state))
+  host = whole.placement.host
+  check_params, check_state = whole.placement.put((start.params, start.opt_state))
   whole.seed(start.streams)
   microbatches = whole.microbatches
-  total = whole.grads(check_params, step_batches(corpus, steps[0], microbatches), positions,
-                      whole.bases, whole.counters)
+  total = host(whole.grads(check_params, step_batches(corpus, steps[0], microbatches),
+                           positions, whole.bases, whole.counters))
   found: dict[str, Any] = {
       "first_step_loss_diff": abs(float(first_grads[1]) - float(total[1])),
       "first_step_max_grad_diff": max_diff(first_grads[0], total[0])}
@@ -449,7 +632,7 @@ def compare_with_whole_step(whole: WholeStep, start: Start, corpus: Corpus, step
   check_losses = [float(loss) for loss in check_losses]
   found.update({
       "max_loss_diff": max(abs(a - b) for a, b in zip(losses, check_losses)),
-      "last_max_param_diff": max_diff(params, check_params),
+      "last_max_param_diff": max_diff(host(params), host(check_params)),
       "whole_step_compile_seconds": round(whole.compile_seconds, 3)})
   return found, (check_params, check_state)
 
@@ -575,6 +758,14 @@ def report_check(found: dict[str, Any], loop: dict[str, Any], compute_dtype: Any
 # --------------------------------------------------------------------------------- memory
 
 
+def peak_bytes() -> int | None:
+  """The largest `peak_bytes_in_use` over this process's devices; None where devices keep no
+  memory statistics (CPU)."""
+  peaks = [stats.get("peak_bytes_in_use") for device in jax.local_devices()
+           if (stats := device.memory_stats())]
+  return max((peak for peak in peaks if peak is not None), default=None)
+
+
 def state_bytes(count: int) -> int:
   """Device bytes of the training state of `count` float32 params: the params, AdamW's two
   moments, the summed grads and one microbatch's grads (5 x 4 bytes a param)."""
@@ -612,6 +803,111 @@ def memory_estimate(preset: Preset, vocab: int) -> dict[str, int]:
           "residual_bytes": block * preset.depth}
 
 
+# ---------------------------------------------------------------------------------- FSDP
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def shard_threshold(params: Params) -> int:
+  """`Placement.min_size` for `params` (FlatTrees): above every "no_decay" buffer, so that
+  the norm scales stay whole on every device (a few KB a layer; split, they would cost each
+  layer one more all-gather in its forward and backward: the gpu presets' 1,536 and 4,096
+  scales of a block are above jg.fsdp's default of 1,024), and at least that default."""
+  scales = [spec.size for p in params for spec in p.layout.buffers if spec.group == "no_decay"]
+  return max([fsdp.MIN_SHARD_SIZE, *(size + 1 for size in scales)])
+
+
+def fsdp_mesh(devices: int | None) -> Mesh | None:
+  """--fsdp N: a one-axis mesh ("fsdp") over this process's first N devices, or, with
+  several processes, over all of them (`parse` checked N); None without --fsdp."""
+  if devices is None:
+    return None
+  return fsdp.make_mesh(devices=jax.devices()[:devices])
+
+
+def collectives(compiled: Any) -> dict[str, int]:
+  """The collectives in the compiled HLO of `compiled`, by op (an asynchronous pair,
+  `-start` and `-done`, counts once). On CPU a reduce-scatter compiles to an all-reduce and
+  a dynamic-slice (docs/fsdp.md)."""
+  hlo = compiled.as_text()
+  return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
+
+
+def layer_executables(layer: jg.GraphedCallable) -> tuple[Any, Any]:
+  """The training forward and the backward `layer` replays (its one captured signature)."""
+  # jaxgraph keeps its executables private; examples/fsdp_train.py reads them the same way.
+  (entry,) = layer._entries.values()
+  forward = next(c for (_, residuals), c in entry.forward.items() if residuals)
+  return forward, entry.backward["full"][0]
+
+
+def placements(tree: Any) -> list[dict[str, Any]]:
+  """Per array of `tree`: its path, its elements, the devices it spans, one shard's elements."""
+  return [{"path": jax.tree_util.keystr(path), "size": int(x.size),
+           "devices": len(x.sharding.device_set),
+           "shard": int(x.addressable_shards[0].data.size)}
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def device_bytes(tree: Any) -> int:
+  """The bytes `tree` holds on one device (the shards of an array are all one size)."""
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def fsdp_report(placement: Placement, trainer: Stepper, params: Params, opt_state: Any,
+                corpus: Corpus, positions: jax.Array, count: int) -> dict[str, Any]:
+  """--fsdp: where the training state lives and which collectives a step runs; printed, and
+  returned for metrics.json.
+
+  Per array of the params, of one microbatch's grads (as the graphed layers' pullbacks
+  return them; the key streams are rewound after) and of the optimizer state: the devices it
+  spans and one shard's size. The state's bytes per device against `state_bytes(count)`.
+  Per executable of a step, the collectives of its compiled HLO, and their sum over a step.
+  """
+  arrays = {"params": placements(params), "opt_state": placements(opt_state)}
+  per_step = dict.fromkeys(COLLECTIVES, 0)
+  found: dict[str, dict[str, int]] = {}
+
+  def add(name: str, compiled: Any, times: int) -> None:
+    counts = found.setdefault(name, collectives(compiled))
+    for op, n in counts.items():
+      per_step[op] += n * times
+
+  microbatches = trainer.microbatches
+  if isinstance(trainer, Trainer):
+    streams = trainer.streams()
+    _, grads, _ = trainer.microbatch(params, *corpus.batch_at(0), positions)
+    trainer.seed(streams)
+    arrays["grads"] = placements(grads)
+    names: dict[int, str] = {}  # identical blocks replay one entry: name it after the first
+    for layer in graphed(trainer.layers):
+      forward, backward = layer_executables(layer)
+      name = names.setdefault(id(forward), layer.name)
+      add(f"{name} forward", forward, microbatches)
+      add(f"{name} backward", backward, microbatches)
+    add("accumulate", trainer.accumulate, microbatches)
+    add("update", trainer.apply, 1)
+  else:
+    add("whole step", trainer.compiled, 1)
+  params_bytes = device_bytes(params)
+  # params, AdamW moments, summed grads, one microbatch's grads: as `state_bytes`
+  per_device = 3 * params_bytes + device_bytes(opt_state)
+  unsharded = state_bytes(count)
+  buffers = arrays["params"]
+  split = [b for b in buffers if b["shard"] < b["size"]]
+  print(f"--fsdp {placement.devices}: training state per device {per_device / 1e6:.3f} MB of "
+        f"{unsharded / 1e6:.3f} MB unsharded (1/{unsharded / per_device:.2f}; float32 params, "
+        f"AdamW moments, summed grads, one microbatch's grads); {len(split)} of "
+        f"{len(buffers)} param buffers split {placement.devices} ways, the others (under "
+        f"{placement.min_size:,} elements: norm scales) replicated")
+  print("collectives in the compiled HLO, per executable: " + "; ".join(
+      f"{name} {counts}" for name, counts in found.items())
+        + f"; per step ({microbatches} microbatches): {per_step}")
+  return {"devices": placement.devices, "processes": jax.process_count(),
+          "state_bytes_per_device": per_device, "state_bytes_unsharded": unsharded,
+          "arrays": arrays, "collectives": found, "collectives_per_step": per_step}
+
+
 # ----------------------------------------------------------------------------- generation
 
 
@@ -625,7 +921,7 @@ def generation_args(params: Params, config: Config, cache: Cache, length: int
   positions = jax.ShapeDtypeStruct((length,), jnp.int32)
   last = jax.ShapeDtypeStruct((1, 1, config.width), config.compute_dtype)
   return ([(params[0], tokens)] + [(p, x, positions, cache) for p in params[1:-1]]
-          + [(params[-1], last, None, *tied_table(params, config))])
+          + [(params[-1], last, None, *tied_inputs(params, config))])
 
 
 def generate(prefill: Sequence[Layer], decode: Sequence[Layer], params: Params, config: Config,
@@ -637,7 +933,7 @@ def generate(prefill: Sequence[Layer], decode: Sequence[Layer], params: Params, 
   returned ones). The decode loop must replay without compiling: asserted on the decode
   layers' `stats`.
   """
-  table = tied_table(params, config)
+  table = tied_inputs(params, config)
   length = prompt.shape[1]
   x = prefill[0](params[0], prompt)
   positions = jnp.arange(length)
@@ -705,6 +1001,7 @@ def resolve(args: argparse.Namespace) -> Preset:
   return dataclasses.replace(PRESETS[args.preset], **{
       name: value for name, value in (("dropout", args.dropout),
                                        ("microbatches", args.microbatches),
+                                       ("batch", args.batch),
                                        ("attention", args.attention),
                                        ("rounds", args.rounds),
                                        ("round_steps", args.round_steps)) if value is not None})
@@ -712,12 +1009,52 @@ def resolve(args: argparse.Namespace) -> Preset:
 
 def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
   """What makes two runs the same run, by flag name: saved with every checkpoint, and
-  compared by --resume (how tokens/s is measured, --check and generation are left out)."""
+  compared by --resume (how tokens/s is measured, --check and generation are left out).
+  `fsdp` and `batch` are None where not given (the batch: the preset's), as in checkpoints
+  written before those flags, which therefore still resume."""
   return {"preset": args.preset, "steps": args.steps or preset.steps, "seed": args.seed,
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
           "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
-          "whole_step": args.whole_step}
+          "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch}
+
+
+def check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace,
+               preset: Preset) -> None:
+  """--fsdp and the multi-process flags (argparse errors); starts `jax.distributed` when
+  --coordinator is given, then checks N against the devices of every process."""
+  n = args.fsdp
+  if n is not None:
+    if n < 1:
+      parser.error(f"--fsdp takes a number of devices >= 1, got {n}")
+    if not args.flat:
+      parser.error("--fsdp shards the flat buffers (one all-gather per buffer and layer): "
+                   "drop --no-flat")
+    if preset.batch % n:
+      parser.error(f"--fsdp {n} splits each microbatch of {preset.batch} sequences over {n} "
+                   f"devices: pass an N that divides {preset.batch}")
+  distributed = (args.coordinator, args.num_processes, args.process_id)
+  if any(value is not None for value in distributed):
+    if any(value is None for value in distributed):
+      parser.error("--coordinator, --num-processes and --process-id start one process of a "
+                   "multi-process run together: pass all three")
+    if n is None:
+      parser.error("several processes train one sharded run: pass --fsdp N, N the number of "
+                   "devices of all processes together")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+      parser.error(f"--process-id takes 0 to --num-processes - 1 ({args.num_processes - 1}), "
+                   f"got {args.process_id}")
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  if n is None:
+    return
+  devices = jax.devices()
+  if jax.process_count() > 1 and n != len(devices):
+    parser.error(f"--fsdp {n} with {jax.process_count()} processes: the mesh holds the "
+                 f"devices of every process, {len(devices)} in all: pass --fsdp {len(devices)}")
+  if n > len(devices):
+    parser.error(f"--fsdp {n} needs {n} devices, found {len(devices)} "
+                 f"({devices[0].platform}); on CPU XLA_FLAGS="
+                 f"--xla_force_host_platform_device_count={n} makes {n}")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -742,6 +1079,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--dropout", type=float,
                       help="residual dropout rate in [0, 1) (default: the preset's)")
   parser.add_argument("--microbatches", type=int, help="per step (default: the preset's)")
+  parser.add_argument("--batch", type=int,
+                      help="sequences per microbatch (default: the preset's); with --fsdp N "
+                           "split N ways, so N times a batch per device keeps that fixed")
   parser.add_argument("--flat", action=argparse.BooleanOptionalAction, default=True,
                       help="each part's params as flat buffers (jg.flat.ravel), one per "
                            "(decay group, dtype): fewer leaves per executable call (default; "
@@ -759,8 +1099,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/llama"))
   parser.add_argument("--seed", type=int, default=0, help="params, batches and dropout keys")
+  parser.add_argument("--fsdp", type=int, metavar="N",
+                      help="shard the params, grads and optimizer state over N devices "
+                           "(jg.fsdp: every flat buffer split N ways, gathered once per "
+                           "layer inside its executables) and split each batch over them; N "
+                           "divides the batch; the first N devices of this process, or with "
+                           "--coordinator every device of every process")
+  parser.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="one process of a multi-process --fsdp run: "
+                           "jax.distributed.initialize(HOST:PORT, --num-processes, "
+                           "--process-id); every process runs the same command but its id")
+  parser.add_argument("--num-processes", type=int, help="with --coordinator")
+  parser.add_argument("--process-id", type=int, help="with --coordinator: 0, 1, ...")
   args = parser.parse_args(argv)
-  for name in ("steps", "stop_after", "microbatches", "rounds", "round_steps"):
+  for name in ("steps", "stop_after", "microbatches", "batch", "rounds", "round_steps"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} takes a number >= 1, got {getattr(args, name)}")
   for name in ("seed", "generate"):
@@ -773,10 +1125,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if args.whole_step and args.check:
     parser.error("--check compares the graphed step with the whole-step jax.jit; with "
                  "--whole-step there is no graphed step: drop one of them")
+  if args.batch == PRESETS[args.preset].batch:
+    args.batch = None  # the preset's: the same run as without the flag (--resume compares)
   preset = resolve(args)
   if preset.attention == "cudnn" and args.dtype != "bfloat16":
     parser.error("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
                  "--attention xla")
+  check_fsdp(parser, args, preset)
   if args.resume:
     total = args.steps or preset.steps
     check_resume(parser, args.out, run_config(args, preset), total,
@@ -793,9 +1148,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   graph_ends = not args.plain_ends
   mode = "whole-step jax.jit" if args.whole_step else "graphed"
   args.out.mkdir(parents=True, exist_ok=True)
+  mesh = fsdp_mesh(args.fsdp)
+  writer = jax.process_index() == 0  # metrics.json and loss.png: one process writes them
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; preset {args.preset}: {preset}")
+  if mesh is not None:
+    print(f"--fsdp {args.fsdp}: params, grads and optimizer state sharded over "
+          f"{mesh.size} {jax.devices()[0].platform} devices of {jax.process_count()} "
+          f"process(es), each batch split over them ({preset.batch // mesh.size} "
+          "sequences per device and microbatch)")
 
-  corpus = Corpus(CORPUS, preset.context, preset.batch, args.seed, held_out=0.1)
+  corpus = Corpus(CORPUS, preset.context, preset.batch, args.seed, held_out=0.1,
+                  sharding=None if mesh is None else fsdp.batch_sharding(mesh))
   config = model_config(preset, len(corpus.chars), untied=args.untied, dtype=args.dtype)
   model = Llama(config, rngs=nnx.Rngs(params=args.seed))
 
@@ -810,21 +1173,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = [jg.flat.ravel(p, group=flat_group) for p in params]
     print(f"params held flat: {len(jax.tree.leaves(params))} buffers for "
           f"{sum(len(p.layout.slots) for p in params)} leaves")
+  placement = Placement() if mesh is None else Placement(mesh, shard_threshold(params))
+  params = placement.shard(params)
 
   # Capture. Training: forward + backward, dropout keys from each layer's stream (not with
   # --whole-step, which trains through one jax.jit). Eval: a forward-only copy of the same
   # functions without keys (dropout off), for the same shapes.
-  tokens = jax.ShapeDtypeStruct((preset.batch, preset.context), jnp.int32)
-  x = jax.ShapeDtypeStruct((preset.batch, preset.context, config.width), config.compute_dtype)
-  positions = jnp.arange(preset.context)
-  table = tied_table(params, config)
+  tokens = jax.ShapeDtypeStruct((preset.batch, preset.context), jnp.int32,
+                                sharding=placement.batch)
+  x = jax.ShapeDtypeStruct((preset.batch, preset.context, config.width), config.compute_dtype,
+                           sharding=placement.batch)
+  positions = placement.replicate(jnp.arange(preset.context))
+  table = tied_inputs(params, config)
   sample_args = ([(params[0], tokens)] + [(p, x, positions) for p in params[1:-1]]
                  + [(params[-1], x, tokens, *table)])
   begin = time.perf_counter()
   train_layers = (None if args.whole_step else
                   build_layers(fns, sample_args, graph_ends=graph_ends,
-                               rng=jax.random.key(args.seed), remat_policy=policy))
-  eval_layers = build_layers(fns, sample_args, graph_ends=graph_ends, inference_only=True)
+                               rng=jax.random.key(args.seed), remat_policy=policy,
+                               **placement.hooks()))
+  eval_layers = build_layers(fns, sample_args, graph_ends=graph_ends, inference_only=True,
+                             **placement.hooks())
   capture_seconds = time.perf_counter() - begin
   print(f"captured {'eval' if args.whole_step else 'training and eval'} layers in "
         f"{capture_seconds:.1f} s (incl. warmup)"
@@ -841,19 +1210,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           "backwards (Stats.residual_bytes)")
 
   tx = optimizer(preset, total)
-  opt_state = tx.init(params)
+  if placement.mesh is None:
+    opt_state = tx.init(params)
+  else:  # made sharded, never whole on one device
+    opt_state = placement.jit(tx.init, out_shardings=placement.shardings(
+        jax.eval_shape(tx.init, params)))(params)
   streams = initial_streams(args.seed, config.depth + 2 if graph_ends else config.depth)
   trainer: Stepper
   if args.whole_step:
     trainer = WholeStep(fns, config, tx, preset.microbatches, streams, graph_ends, params,
                         opt_state, step_batches(corpus, 0, preset.microbatches), positions,
-                        policy)
+                        policy, placement)
     print(f"--whole-step: training through one whole-step jax.jit (compiled in "
           f"{trainer.compile_seconds:.1f} s)")
   else:
-    trainer = Trainer(train_layers, config, tx, preset.microbatches, params, opt_state)
+    trainer = Trainer(train_layers, config, tx, preset.microbatches, params, opt_state,
+                      placement)
+  if placement.mesh is not None:
+    sharded = fsdp_report(placement, trainer, params, opt_state, corpus, positions, count)
 
-  checkpoints = Checkpoints.for_run(args.out, resume=args.resume)
+  checkpoints = Checkpoints.for_run(args.out, resume=args.resume, host=placement.host)
   metrics_path = args.out / "metrics.json"
   first, losses, eval_losses = 0, [], []
   if args.resume:
@@ -866,8 +1242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       assert len(losses) == first, f"step {first} holds {len(losses)} losses"
       print(f"resumed from step {first} ({checkpoints.directory}, digests verified)")
   if check:
-    check_start = Start(jax.device_get(params), jax.device_get(opt_state), trainer.streams())
-    first_grads = jax.device_get(first_step_grads(trainer, params, corpus, first + 1,
+    check_start = Start(placement.host(params), placement.host(opt_state), trainer.streams())
+    first_grads = placement.host(first_step_grads(trainer, params, corpus, first + 1,
                                                   positions))
 
   # Training. Losses stay on the device until a round ends or an eval or checkpoint reads
@@ -901,7 +1277,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       history = {"losses": losses, "eval_losses": eval_losses}
       checkpoints.save(step, params, opt_state, trainer.streams(),
                        {"config": run_config(args, preset), **history})
-      write_json(metrics_path, {"step": step, **history})  # for reading; resume needs not
+      if writer:
+        write_json(metrics_path, {"step": step, **history})  # for reading; resume needs not
     timer.start()
   bar.close()
 
@@ -913,7 +1290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "eval_losses": eval_losses, "final_loss": losses[-1] if losses else None,
       "train_seconds": round(timer.seconds, 3), "capture_seconds": round(capture_seconds, 3),
       "tokens_per_second": loop["median"], "throughput": {"loop": loop},
-      "params_sha256": params_digest(params),
+      "params_sha256": params_digest(placement.host(params)),
       "stats": {f"{kind} {layer.name}": layer.stats._asdict()
                 for kind, layers in kinds for layer in graphed(layers)},
   }
@@ -927,11 +1304,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{losses[-1]:.4f}{held_out}; {rate}")
   else:
     print(f"the checkpoint is at step {stop}, the run's last: nothing left to train")
+  peak = peak_bytes()
+  if peak is not None:  # GPUs; CPU devices keep no memory statistics
+    result["peak_bytes"] = peak
+    print(f"peak device memory so far (capture, training; before --check): {peak / 2**30:.2f} "
+          "GiB, the largest over this process's devices")
 
   if check and run_steps:
     whole = WholeStep(fns, config, tx, preset.microbatches, check_start.streams, graph_ends,
-                      check_start.params, check_start.opt_state,
-                      step_batches(corpus, 0, preset.microbatches), positions, policy)
+                      *placement.abstract((check_start.params, check_start.opt_state)),
+                      step_batches(corpus, 0, preset.microbatches), positions, policy,
+                      placement)
+    if placement.mesh is not None:
+      sharded["collectives"]["whole_step"] = collectives(whole.compiled)
     found, whole_state = compare_with_whole_step(whole, check_start, corpus,
                                                  range(first + 1, stop + 1), positions,
                                                  losses[first:], first_grads, params)
@@ -948,17 +1333,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                      for k, v in found["throughput"].items()}
     report_check(found, loop, config.compute_dtype, run_steps)
 
-  if losses:
+  if placement.mesh is not None:
+    result["fsdp"] = sharded
+  if losses and writer:
     plot(losses, args.out / "loss.png",
          f"Llama ({args.preset}), {'whole-step jax.jit' if args.whole_step else 'blocks graphed'}",
          eval_losses)
-  write_json(metrics_path, result, indent=1)
+  if writer:
+    write_json(metrics_path, result, indent=1)
 
   if args.generate:
-    result["generation"] = write_sample(model, fns, params, corpus, graph_ends,
-                                        min(args.generate, preset.context // 2),
+    # One sequence: generated on one device (per process), from the params gathered whole.
+    result["generation"] = write_sample(model, fns, placement.local(params), corpus,
+                                        graph_ends, min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
-    write_json(metrics_path, result, indent=1)
+    if writer:
+      write_json(metrics_path, result, indent=1)
   print(f"wrote {args.out / 'loss.png'}, {metrics_path}, {checkpoints.directory}")
   return result
 
