@@ -43,7 +43,7 @@ sys.path[:0] = [str(ROOT / "examples" / "llama"), str(ROOT / "examples")]
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import capture as capture_lib  # noqa: E402
 import train  # noqa: E402
-from common import CORPUS, Corpus, stream_keys, stream_positions  # noqa: E402
+from common import CORPUS, Corpus  # noqa: E402
 from model import Config, Llama  # noqa: E402
 
 RECOMPUTE = jg.residuals.recompute_elementwise
@@ -97,7 +97,7 @@ def build(s: Setup, variant: str) -> train.Trainer:
   tokens = jax.ShapeDtypeStruct((s.preset.batch, s.preset.context), jnp.int32)
   x = jax.ShapeDtypeStruct((s.preset.batch, s.preset.context, s.config.width),
                            s.config.compute_dtype)
-  table = train.tied_table(s.params, s.config)
+  table = train.tied_inputs(s.params, s.config)
   sample_args = ([(s.params[0], tokens)] + [(p, x, s.positions) for p in s.params[1:-1]]
                  + [(s.params[-1], x, tokens, *table)])
   begin = time.perf_counter()
@@ -174,28 +174,23 @@ def call_costs(s: Setup, trainer: train.Trainer, burst: int = 8, long: int = 40
   return result
 
 
-def whole_step(s: Setup, trainer: train.Trainer) -> tuple[Any, Any]:
-  """The whole-step jit, compiled, and its keys (drawn once, before any timing)."""
-  layers = train.graphed(trainer.layers)
-  streams = stream_positions(layers)
-  keys = train.block_keys(streams, True, 0, trainer.microbatches)
-  batches = train.step_batches(s.corpus, 0, trainer.microbatches)
-  opt_state = trainer.tx.init(s.params)
-  args = (jnp.stack([t for t, _ in batches]), jnp.stack([t for _, t in batches]), s.positions,
-          keys)
+def whole_step(s: Setup, trainer: train.Trainer) -> train.WholeStep:
+  """The whole-step jit, compiled; it draws its keys from the same streams on the device."""
   begin = time.perf_counter()
-  compiled = train.make_whole_step(s.fns, trainer).lower(s.params, opt_state, *args).compile()
+  whole = train.WholeStep(s.fns, s.config, trainer.tx, trainer.microbatches,
+                          train.initial_streams(0, len(s.fns)), True, s.params,
+                          trainer.tx.init(s.params),
+                          train.step_batches(s.corpus, 0, trainer.microbatches), s.positions)
   print(f"whole step compiled in {time.perf_counter() - begin:.1f} s", flush=True)
-  return compiled, keys
+  return whole
 
 
-def step_rates(s: Setup, trainer: train.Trainer, whole: Any, keys: Any, rounds: int,
+def step_rates(s: Setup, trainer: train.Trainer, whole: train.WholeStep, rounds: int,
                steps: int) -> dict[str, Any]:
   """Alternating rounds: tokens/s of graphed and whole step, and graphed host enqueue."""
   microbatches = trainer.microbatches
   tokens_per_step = microbatches * s.preset.batch * s.preset.context
   batches = [train.step_batches(s.corpus, i, microbatches) for i in range(8)]
-  stacked = [(jnp.stack([t for t, _ in b]), jnp.stack([t for _, t in b])) for b in batches]
   rates: dict[str, list[float]] = {"graphed": [], "whole_step": []}
   enqueue: list[float] = []
 
@@ -203,7 +198,7 @@ def step_rates(s: Setup, trainer: train.Trainer, whole: Any, keys: Any, rounds: 
     return trainer.step(*state, batches[i % 8], s.positions)[:2]
 
   def run_whole(state, i):
-    return whole(*state, *stacked[i % 8], s.positions, keys)[:2]
+    return whole.step(*state, batches[i % 8], s.positions)[:2]
 
   opt_state = trainer.tx.init(s.params)
   for index in range(rounds):
@@ -251,17 +246,16 @@ def microbatch_host(s: Setup, trainer: train.Trainer) -> dict[str, float]:
 # ------------------------------------------------------------------------------------ trace
 
 
-def trace_steps(s: Setup, trainer: train.Trainer, whole: Any, keys: Any, directory: pathlib.Path,
-                steps: int = 3) -> dict[str, Any]:
+def trace_steps(s: Setup, trainer: train.Trainer, whole: train.WholeStep,
+                directory: pathlib.Path, steps: int = 3) -> dict[str, Any]:
   """GPU busy time per step of graphed and whole step, from a profiler trace of each."""
   found = {}
   batches = train.step_batches(s.corpus, 0, trainer.microbatches)
-  stacked = (jnp.stack([t for t, _ in batches]), jnp.stack([t for _, t in batches]))
   opt_state = trainer.tx.init(s.params)
   for name in ("graphed", "whole_step"):
     state = (jax.tree.map(jnp.copy, s.params), jax.tree.map(jnp.copy, opt_state))
     run = ((lambda st: trainer.step(*st, batches, s.positions)[:2]) if name == "graphed" else
-           (lambda st: whole(*st, *stacked, s.positions, keys)[:2]))
+           (lambda st: whole.step(*st, batches, s.positions)[:2]))
     state = jax.block_until_ready(run(run(state)))
     log_dir = directory / f"trace-{name}"
     begin = time.perf_counter()
@@ -443,18 +437,18 @@ def main() -> None:
                              "xla_flags": os.environ.get("XLA_FLAGS", ""),
                              "device": jax.devices()[0].device_kind,
                              "jax": jax.__version__, "variants": {}}
-  whole = keys = None
+  whole = None
   for variant in args.variants:
     trainer = build(s, variant)
     print(f"[{variant}] captured in {trainer.capture_seconds:.1f} s", flush=True)
     if whole is None:
-      whole, keys = whole_step(s, trainer)
+      whole = whole_step(s, trainer)
     found: dict[str, Any] = {"capture_seconds": trainer.capture_seconds}
     found["call"] = call_costs(s, trainer)
     found["microbatch"] = microbatch_host(s, trainer)
-    found["step"] = step_rates(s, trainer, whole, keys, args.rounds, args.steps)
+    found["step"] = step_rates(s, trainer, whole, args.rounds, args.steps)
     if args.trace and jax.default_backend() == "gpu":
-      found["trace"] = trace_steps(s, trainer, whole, keys, args.out / variant)
+      found["trace"] = trace_steps(s, trainer, whole, args.out / variant)
     print(f"[{variant}] {json.dumps(found, default=float)}", flush=True)
     results["variants"][variant] = found
     if args.native and variant == args.variants[0]:

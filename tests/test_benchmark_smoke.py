@@ -36,3 +36,20 @@ def test_bench_tiny_reports_every_variant(tmp_path):
   for name in bench.TORCH_VARIANTS:
     assert name in reported or name in result["meta"]["skipped"]
   assert (tmp_path / "bench.png").exists() or "no plot" in run.stdout
+
+
+def test_llama_breakdown_tiny_reports_each_part(tmp_path):
+  """benchmarks/llama_breakdown.py follows the Llama example it measures (it builds the
+  example's trainer and whole step): it runs at the tiny preset and reports its parts."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  run = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "llama_breakdown.py"), "--preset",
+       "tiny", "--rounds", "1", "--steps", "1", "--variants", "recompute", "--out",
+       str(tmp_path)],
+      capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert run.returncode == 0, run.stderr[-4000:]
+  with open(tmp_path / "breakdown.json") as f:
+    found = json.load(f)["variants"]["recompute"]
+  assert found["call"]["arrays_per_vjp"] >= 2 and found["call"]["vjp_host_us"] > 0
+  assert found["step"]["graphed_tok_s"] > 0 and found["step"]["whole_tok_s"] > 0
