@@ -142,6 +142,11 @@ def _is_inexact(dtype: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
+def differentiated_leaves(signature: sig_lib.Signature) -> tuple[int, ...]:
+  """The argument leaves that get gradients: those of inexact dtypes (like `jax.vjp`)."""
+  return tuple(i for i, s in enumerate(signature.leaves) if _is_inexact(s.dtype))
+
+
 @dataclasses.dataclass
 class _Timer:
   compiles: int = 0
@@ -192,7 +197,7 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
   policy saves is kept, the rest is recomputed in the backward.
   """
   n_args = len(signature.leaves)
-  diff = tuple(i for i, s in enumerate(signature.leaves) if _is_inexact(s.dtype))
+  diff = differentiated_leaves(signature)
   expansion = flat_lib.expansion(signature.treedef)
   differentiated = set(diff)
   expanded_diff = tuple(j for j, i in enumerate(expansion.inputs) if i in differentiated)

@@ -98,21 +98,13 @@ class NnxLayer:
     state and the result is `(out, new_state)`."""
     if self.mutable is None:
       return self._call(self.module(params), inputs, key)
-    if not inputs:
-      raise TypeError(f"{self!r} takes (params, state, *inputs): the state of its mutable "
-                      "variables is missing.")
-    state, *inputs = inputs
+    state, inputs = _state_input(self, inputs, "mutable variables")
     module = self.module(params, state)
     out = self._call(module, inputs, key)
     new_state = nnx.split(module, self._wrt, nnx.RngState, self.mutable, ...)[3]
-    if jax.tree.structure(new_state) != jax.tree.structure(state):
-      raise ValueError(
-          f"{self!r}: the call left its mutable state of another structure than the state "
-          f"passed in, so it could not be passed back on the next call:\n  in:  "
-          f"{jax.tree.structure(state)}\n  out: {jax.tree.structure(new_state)}\nCreate "
-          "every variable the layer writes before nnx_layer (for a KV cache, "
-          "init_cache), and pass the state nnx_layer returned.")
-    return out, jax.lax.stop_gradient(new_state)
+    return out, _returned_state(
+        self, state, new_state, "Create every variable the layer writes before nnx_layer "
+        "(for a KV cache, init_cache), and pass the state nnx_layer returned.")
 
   def _call(self, module: nnx.Module, inputs: Sequence[Any], key: jax.Array | None) -> Any:
     if key is None:
@@ -124,6 +116,26 @@ class NnxLayer:
     if self.stream_tags:
       nnx.reseed(module, **{tag: key for tag in self.stream_tags})
     return module(*inputs)
+
+
+def _state_input(layer: Any, inputs: Sequence[Any], what: str) -> tuple[Any, list[Any]]:
+  """A stateful layer's inputs `(state, *inputs)` split; its state missing is a TypeError."""
+  if not inputs:
+    raise TypeError(f"{layer!r} takes (params, state, *inputs): the state of its {what} is "
+                    "missing.")
+  state, *rest = inputs
+  return state, rest
+
+
+def _returned_state(layer: Any, state: Any, new_state: Any, fix: str) -> Any:
+  """`new_state` as a stateful layer returns it (no gradient), once it has the structure of
+  `state`, so that it can be passed back on the next call; `fix` says how to get there."""
+  if jax.tree.structure(new_state) != jax.tree.structure(state):
+    raise ValueError(
+        f"{layer!r}: the call left its state of another structure than the state passed in, "
+        f"so it could not be passed back on the next call:\n  in:  "
+        f"{jax.tree.structure(state)}\n  out: {jax.tree.structure(new_state)}\n{fix}")
+  return jax.lax.stop_gradient(new_state)
 
 
 def _type_name(cls: type) -> str:
@@ -305,24 +317,17 @@ class LinenLayer:
     rngs = None if key is None else {self.rng_collection: key}
     if not self.mutable:
       return self.module.apply({"params": params}, *inputs, rngs=rngs, **self.apply_kwargs)
-    if not inputs:
-      raise TypeError(f"{self!r} takes (params, state, *inputs): the state of its mutable "
-                      f"collections {list(self.mutable)} is missing.")
-    state, *inputs = inputs
+    state, inputs = _state_input(self, inputs, f"mutable collections {list(self.mutable)}")
     state = flax_core.unfreeze(state)
     out, new_state = self.module.apply({"params": params, **state}, *inputs, rngs=rngs,
                                        mutable=list(self.mutable), **self.apply_kwargs)
     # unfrozen: with flax_return_frozendict=True apply returns a FrozenDict, a pytree of
     # another structure than the dict passed in
     new_state = flax_core.unfreeze({name: new_state[name] for name in self.mutable})
-    if jax.tree.structure(new_state) != jax.tree.structure(state):
-      raise ValueError(
-          f"{self!r}: apply returned state of another structure than the state passed in, "
-          f"so it could not be passed back on the next call:\n  in:  "
-          f"{jax.tree.structure(state)}\n  out: {jax.tree.structure(new_state)}\nPass the "
-          "state linen_layer returned, from variables that `init` created with every "
-          "variable the layer writes (for a KV cache, init with the decode flag on).")
-    return out, jax.lax.stop_gradient(new_state)
+    return out, _returned_state(
+        self, state, new_state, "Pass the state linen_layer returned, from variables that "
+        "`init` created with every variable the layer writes (for a KV cache, init with the "
+        "decode flag on).")
 
 
 def _unhashable(value: Any, path: str) -> list[tuple[str, Any]]:

@@ -14,7 +14,6 @@ import functools
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgraph import capture as capture_lib
@@ -60,9 +59,9 @@ def backward_plan(signature: sig_lib.Signature, *, delay_wgrad: bool,
                   ) -> list[tuple[capture_lib.BackwardKind, tuple[int, ...]]]:
   """Which backward executables to build and which argument leaves each returns grads of:
   one "full", or "dgrad" now and "wgrad" (the weights') later."""
-  diff = [i for i, s in enumerate(signature.leaves) if jnp.issubdtype(s.dtype, jnp.inexact)]
+  diff = capture_lib.differentiated_leaves(signature)
   if not delay_wgrad:
-    return [("full", tuple(diff))]
+    return [("full", diff)]
   weight_leaves = set(argument_leaves(signature.treedef, wgrad_argnums))
   return [("dgrad", tuple(i for i in diff if i not in weight_leaves)),
           ("wgrad", tuple(i for i in diff if i in weight_leaves))]
