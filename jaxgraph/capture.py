@@ -33,6 +33,12 @@ ForwardKind = Literal["explicit", "stream"]
 # than one array each: the runtime's host cost per executable call grows with its leaf count
 # (~4 µs per leaf on a GPU), while copying a small residual costs the device next to nothing.
 PACK_MAX_BYTES = 4 << 20
+# The platforms where packing is exact. XLA duplicates a cheap elementwise producer into the
+# fusion that feeds the concatenation; XLA:CPU compiles that copy to other code (another
+# loop shape, other multiply-add contractions), so a packed residual can differ in its last
+# bits from the value the rest of the forward used (a BatchNorm block's normalized
+# activations, tests/test_flax.py). XLA:GPU emits the same per-element code in both.
+PACK_PLATFORMS = frozenset({"gpu"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,9 +245,7 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
   n_out = len(out_info) - found["n_kept"]
   out_specs = _output_specs(out_info[:n_out], name)
   sources = found["sources"]
-  # Packing needs one layout of every buffer: only for unsharded (single-device) arguments.
-  packing = plan_packing(out_info[n_out:],
-                         enabled=all(s.sharding is None for s in signature.leaves))
+  packing = plan_packing(out_info[n_out:], enabled=_packs(signature))
   layout = Layout(
       n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"], out_specs=out_specs,
       res_treedef=found["res_treedef"], sources=sources, packing=packing, diff=diff,
@@ -251,6 +255,14 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
                                     if kind == "slice"})),
       needed_outputs=tuple(sorted({i for kind, i in sources if kind == "out"})))
   return traced.jaxpr, layout
+
+
+def _packs(signature: sig_lib.Signature) -> bool:
+  """Whether the kept residuals of `signature` travel packed: its arguments are unplaced (a
+  flat buffer needs one layout on one device) on a device of `PACK_PLATFORMS`."""
+  device = signature.default_device or jax.devices()[0]
+  return (device.platform in PACK_PLATFORMS
+          and all(s.sharding is None for s in signature.leaves))
 
 
 def trace_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,

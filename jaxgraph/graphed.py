@@ -425,7 +425,8 @@ class GraphedCallable:
     outs, kept = values[:layout.n_out], values[layout.n_out:]
     backward = pullback_lib.ExecutableBackward(
         self, entry, needed_inputs=[inputs[i] for i in layout.needed_inputs],
-        needed_outputs=[outs[i] for i in layout.needed_outputs], kept=kept)
+        needed_outputs=[outs[i] for i in layout.needed_outputs], kept=kept,
+        placements=sig_lib.respelled(leaves, layout.diff))
     if not any(self._backward_hooks(event.phase)):
       # Without backward hooks nobody reads the args again: don't keep them alive.
       event = hooks_lib.HookEvent(event.index, event.phase, event.iteration, event.microbatch, ())

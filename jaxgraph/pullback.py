@@ -82,6 +82,13 @@ def assemble(entry: capture_lib.Executables, values: Sequence[Any], select: tupl
       for argnum, (child, lo, hi) in enumerate(arg_ranges(entry.signature.treedef)))
 
 
+def placed_as(array: jax.Array, sharding: Any) -> jax.Array:
+  """`array` under `sharding`, an equivalent spelling of its own placement: the same device
+  buffers, no copy."""
+  return jax.make_array_from_single_device_arrays(
+      array.shape, sharding, [shard.data for shard in array.addressable_shards])
+
+
 def any_deleted(arrays: Sequence[Any]) -> bool:
   """Whether an array among `arrays` was deleted or donated (a call with it fails)."""
   return any(getattr(x, "is_deleted", lambda: False)() for x in arrays)
@@ -97,6 +104,8 @@ class ExecutableBackward:
     needed_inputs: the forward inputs the backward reads (the derived key among them).
     needed_outputs: the forward outputs the backward reads.
     kept: what the forward returned for the backward only (donated to the last backward).
+    placements: `(argument leaf, its sharding)` where the executable returns that leaf's
+      gradient in another spelling of the same placement (`signature.respelled`).
   """
 
   owner: Owner
@@ -104,6 +113,7 @@ class ExecutableBackward:
   needed_inputs: list[Any]
   needed_outputs: list[Any]
   kept: list[Any]
+  placements: tuple[tuple[int, Any], ...] = ()
 
   def __call__(self, cotangents: Any) -> BackwardResult:
     entry, layout = self.entry, self.entry.layout
@@ -131,7 +141,7 @@ class ExecutableBackward:
     exe = owner._local(self.entry, self.entry.backward[kind][0])
     try:
       with jax.profiler.TraceAnnotation(owner._trace_names[1]):
-        return exe(*self.needed_inputs, *self.needed_outputs, *self.kept, *cts)
+        grads = exe(*self.needed_inputs, *self.needed_outputs, *self.kept, *cts)
     except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
       if any_deleted(self.needed_inputs + self.needed_outputs):
         raise RuntimeError(
@@ -139,6 +149,11 @@ class ExecutableBackward:
             "or donated since (e.g. params donated to an optimizer step before the "
             "pullback ran). Run every pullback before donating the forward's inputs.") from e
       raise
+    if self.placements:
+      placed = dict(self.placements)
+      grads = [placed_as(g, placed[leaf]) if leaf in placed else g
+               for leaf, g in zip(self.entry.backward[kind][1], grads)]
+    return grads
 
   def _cotangent_error(self, cts: list[Any]) -> TypeError:
     layout = self.entry.layout

@@ -35,6 +35,10 @@ class Signature(NamedTuple):
 # default device (None: JAX's first device) -> the shardings that mean "no placement"
 _default_shardings: dict[Any, frozenset[Sharding]] = {}
 _canonical: dict[Sharding, Sharding] = {}
+# Shardings seen whose canonical form is another object: the same placement spelled
+# differently (`P(None, "fsdp")` on a one-device mesh is `P()`). Empty in most programs, so
+# the gradients' respelling (`respelled`) costs nothing there.
+_respelled: set[Sharding] = set()
 
 
 def _canonicalize(sharding: Sharding) -> Sharding:
@@ -84,8 +88,22 @@ def _sharding_key(sharding: Sharding | None, unplaced: frozenset[Sharding]) -> S
     return None
   canonical = _canonical.get(sharding)
   if canonical is None:
-    canonical = _canonical[sharding] = _canonicalize(sharding)
+    canonical = _canonicalize(sharding)
+    if canonical == sharding:
+      canonical = sharding
+    else:
+      _respelled.add(sharding)
+    _canonical[sharding] = canonical
   return canonical
+
+
+def respelled(leaves: Sequence[Any], indices: Sequence[int]) -> tuple[tuple[int, Sharding], ...]:
+  """`(leaf, its sharding)` for the leaves among `indices` whose sharding a signature holds in
+  its canonical spelling, not their own (a gradient is placed back like its argument)."""
+  if not _respelled:
+    return ()
+  return tuple((i, sharding) for i in indices
+               if (sharding := getattr(leaves[i], "sharding", None)) in _respelled)
 
 
 def leaf_spec(leaf: Any) -> LeafSpec:

@@ -562,11 +562,7 @@ def test_linen_batch_stats_train_like_linen():
       ignored = jax.tree.map(jnp.ones_like, stats[i])  # the state output has no gradient
       grads[i], stats_grads, next_ct = pullbacks[i]((ct, ignored))
       ref = backward(references[i], (ct, jax.tree.map(jnp.zeros_like, stats[i])))
-      # Not bitwise here: the backward reads the forward's residuals packed into one buffer,
-      # and XLA:CPU rounds this block's reductions differently then (a few ulps).
-      for got, want in zip(jax.tree.leaves((grads[i], stats_grads, next_ct)),
-                           jax.tree.leaves(ref)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+      assert trees_equal((grads[i], stats_grads, next_ct), ref)
       ct = next_ct
     params, opt_state = update(grads, opt_state, params)
     losses.append(loss)
@@ -607,8 +603,7 @@ def test_nnx_batch_stats_as_mutable_state_update_like_nnx():
       ref_vjp = forward(params[i], nnx.state(blocks[i], nnx.BatchStat), h)[1]
       got = pullback((jnp.cos(y), jax.tree.map(jnp.ones_like, stats[i])))  # ignored: no grad
       want = backward(ref_vjp, (jnp.cos(y), jax.tree.map(jnp.zeros_like, stats[i])))
-      for got, want in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # packed residuals
+      assert trees_equal(got, want)
       h = y
   assert [layer.stats.captures for layer in layers] == [1] + [0] * (DEPTH - 1)
 

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import fsdp_worker
 import jaxgraph as jg
 from jaxgraph import fsdp
-from models import assert_equal_or_close, devices_for
+from models import assert_equal_or_close, devices_for, trees_equal
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +287,48 @@ def test_a_one_device_mesh_axis_is_no_new_signature():
   y, pullback = layer.vjp(y)
   pullback(jnp.ones_like(y))
   assert layer.stats.captures == 1
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("delay_wgrad", [False, True])
+def test_grads_are_placed_like_their_arguments_on_a_one_device_mesh(offload, delay_wgrad):
+  # P(None, "fsdp") on a one-device mesh signs as P() (one capture for both spellings), and
+  # XLA returns P(); the gradient still comes back spelled like its argument.
+  mesh = fsdp.make_mesh(devices=devices_for(1)[:1])
+  host_params, x, _ = fsdp_worker.host_data(2)
+  params = [fsdp.shard(p, mesh, min_size=1) for p in host_params]
+  x = jax.device_put(x, fsdp.batch_sharding(mesh))
+  assert {params[0][k].sharding.spec for k in params[0]} != {P()}
+  layer_fn = fsdp_worker.fsdp_block(mesh)
+  layers = jg.make_graphed([layer_fn] * 2, num_warmup_iters=1,
+                           sample_args=[(p, x) for p in params], offload_residuals=offload,
+                           delay_wgrad=delay_wgrad)
+  reference = jax.jit(lambda p, x, ct: jax.vjp(layer_fn, p, x)[1](ct))
+  for layer, p in zip(layers, params):
+    y, pullback = layer.vjp(p, x)
+    ct = jnp.cos(y)
+    grads, g_x = pullback(ct)
+    if delay_wgrad:
+      grads = pullback.wgrad()[0]
+    for k in p:
+      assert grads[k].sharding == p[k].sharding, k
+    assert g_x.sharding == x.sharding
+    # Only the spelling differs from the executable's output: the values are jax.vjp's.
+    assert trees_equal((grads, g_x), reference(p, x, ct))
+  assert layers[0].stats.captures == 1 and layers[1].stats.captures == 0
+
+
+@pytest.mark.devices(8)
+def test_grads_keep_a_spec_spelled_with_trailing_nones(mesh):
+  host_params, x, _ = fsdp_worker.host_data(1)
+  short = fsdp.shard(host_params[0], mesh)
+  params = {k: jax.device_put(v, NamedSharding(mesh, P(*short[k].sharding.spec, *[None] * (
+      v.ndim - len(short[k].sharding.spec))))) for k, v in host_params[0].items()}
+  assert any(params[k].sharding != short[k].sharding for k in params)
+  x = jax.device_put(x, fsdp.batch_sharding(mesh))
+  layer = jg.make_graphed(fsdp_worker.fsdp_block(mesh), sample_args=(params, x),
+                          num_warmup_iters=0)
+  y, pullback = layer.vjp(params, x)
+  grads, _ = pullback(jnp.ones_like(y))
+  for k, g in grads.items():
+    assert g.sharding == params[k].sharding, k

@@ -1,0 +1,74 @@
+"""Residual packing (capture.py): kept residuals of at most `PACK_MAX_BYTES` travel as one
+flat buffer per dtype, on the platforms where that is exact (`PACK_PLATFORMS`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxgraph as jg
+from jaxgraph import capture as capture_lib
+from models import trees_equal
+
+B, D = 8, 32
+
+
+def layer(p, x, *, key):
+  """Keeps several small residuals besides its inputs: a tanh, a dropout mask, a product."""
+  h = jnp.tanh(x @ p["w1"])
+  keep = jax.random.bernoulli(key, 0.9, h.shape)
+  return x + (jnp.where(keep, h / 0.9, 0.0) * jnp.sin(x)) @ p["w2"]
+
+
+def _params(seed):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {"w1": jax.random.normal(k1, (D, D)) / D, "w2": jax.random.normal(k2, (D, D)) / D}
+
+
+def _layout(graphed):
+  (entry,) = graphed._entries.values()
+  return entry.layout
+
+
+def test_residuals_are_packed_only_on_pack_platforms():
+  x = jnp.ones((B, D))
+  graphed = jg.make_graphed(layer, sample_args=(_params(0), x), rng=True, num_warmup_iters=0)
+  layout = _layout(graphed)
+  kept = len(layout.packing.shapes)
+  assert kept > 2
+  packed = jax.devices()[0].platform in capture_lib.PACK_PLATFORMS
+  assert (layout.n_kept < kept) == packed
+
+
+@pytest.fixture
+def packing_here(monkeypatch):
+  """Packing on this backend too (on the CPU it is exact for `layer`, not for every model)."""
+  monkeypatch.setattr(capture_lib, "PACK_PLATFORMS",
+                      capture_lib.PACK_PLATFORMS | {jax.devices()[0].platform})
+
+
+def test_packed_residuals_give_the_grads_of_jax_vjp(packing_here):
+  params = [_params(i) for i in range(3)]
+  x = jax.random.normal(jax.random.key(7), (B, D))
+  layers = jg.make_graphed([layer] * 3, sample_args=[(p, x) for p in params], rng=True,
+                           num_warmup_iters=1)
+  layout = _layout(layers[0])
+  assert layout.n_kept < len(layout.packing.shapes) and layout.packing.groups
+  forward = jax.jit(lambda p, x, k: jax.vjp(lambda p, x: layer(p, x, key=k), p, x))
+  backward = jax.jit(lambda vjp_fn, ct: vjp_fn(ct))
+  for step in range(3):
+    keys = [jax.random.fold_in(jax.random.key(step), i) for i in range(3)]
+    y, pullback = jg.sequential_vjp(layers, params, x, keys=keys)
+    grads, g_x = pullback(jnp.cos(y))
+    h, vjps = x, []
+    for p, k in zip(params, keys):
+      h, vjp_fn = forward(p, h, k)
+      vjps.append(vjp_fn)
+    assert trees_equal(y, h)
+    ct, want = jnp.cos(h), []
+    for vjp_fn in reversed(vjps):
+      g_p, ct = backward(vjp_fn, ct)
+      want.insert(0, g_p)
+    assert trees_equal((grads, g_x), (want, ct))
+    params = [jax.tree.map(lambda a, g: a - 0.1 * g, p, g) for p, g in zip(params, grads)]
