@@ -39,15 +39,22 @@ def _busy(trace: dict[str, Any]) -> tuple[float, int, float]:
   gpu = {pid for pid, name in names.items() if "gpu" in name.lower() and "host" not in name.lower()}
   spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
                  if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur"))
+  return union_us(spans), len(spans), (spans[-1][1] - spans[0][0]) if spans else 0.0
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+  """The length of the union of sorted `(start, stop)` intervals."""
   busy, end = 0.0, float("-inf")
   for start, stop in spans:
     if stop > end:
       busy += stop - max(start, end)
       end = stop
-  return busy, len(spans), (spans[-1][1] - spans[0][0]) if spans else 0.0
+  return busy
 
 
-def trace_variant(variant: bench.Variant, steps: int) -> dict[str, Any]:
+def record_trace(variant: bench.Variant, steps: int) -> tuple[dict[str, Any], float]:
+  """A Chrome-format `jax.profiler` trace of `steps` steps of `variant`, and their wall
+  seconds (the device drained before and after)."""
   with tempfile.TemporaryDirectory() as folder:
     jax.block_until_ready(variant.state)
     jax.profiler.start_trace(folder, create_perfetto_trace=True)
@@ -59,7 +66,11 @@ def trace_variant(variant: bench.Variant, steps: int) -> dict[str, Any]:
     jax.profiler.stop_trace()
     [path] = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
     with gzip.open(path) as f:
-      trace = json.load(f)
+      return json.load(f), wall
+
+
+def trace_variant(variant: bench.Variant, steps: int) -> dict[str, Any]:
+  trace, wall = record_trace(variant, steps)
   busy, ops, span = _busy(trace)
   return dict(variant=variant.name, traced_step_ms=1e3 * wall / steps,
               gpu_busy_ms_per_step=busy / 1e3 / steps, device_ops_per_step=ops / steps,

@@ -70,8 +70,9 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       (from one `make_graphed` call, without `delay_wgrad`, with the same offload setting)
       replays as one forward and one backward executable, compiled on the first such call
       (identical runs share it): a host boundary only where a hook needs one. The same
-      keys and counters as unfused; the numerics may differ by rounding, as XLA fuses
-      across layers (like a whole-step `jax.jit`).
+      keys and counters as unfused, and the same math: each layer under its own
+      `remat_policy`, and an optimization barrier between layers, so that XLA fuses
+      nothing across them (the fused executables run the per-layer kernels).
 
   Returns:
     `(y, pullback)` with `pullback(ct) -> (grads_list, g_x)`: `grads_list[i]` is the gradient

@@ -22,14 +22,28 @@ from jaxgraph import signature as sig_lib
 @dataclasses.dataclass(frozen=True)
 class Chain:
   """`chain(params, x, *consts, key=None)`: `x = fns[i](params[i], x, *consts[, key=key[i]])`
-  in turn.
+  in turn, each function as its layer's executables run it.
 
   The consts (`sequential_vjp(..., consts=...)`) are shared by every function and get no
   gradient: the chain stops it, so its backward does not compute it. Equal (and hashed) by
-  its functions, so identical segments share one capture.
+  its fields, so identical segments share one capture.
+
+  Attributes:
+    fns: the layers' functions.
+    remat_policy: the layers' `jax.checkpoint` policy, applied to each function (as each
+      layer's capture applies it), not around the chain: the chain then keeps what its
+      layers keep. Around the chain it would recompute the activations between layers in
+      the backward, where each layer's backward reads them as inputs.
+    barriers: an optimization barrier on the activation between two functions (and on its
+      cotangent in the backward), so that XLA fuses no op of one layer with one of the next:
+      the fused executables run the per-layer kernels and compute what the layers do one by
+      one. Only the activation: params, keys and consts that came out of a barrier would be
+      new values, kept for the backward as copies.
   """
 
   fns: tuple[Callable[..., Any], ...]
+  remat_policy: Callable[..., bool] | None = None
+  barriers: bool = True
 
   @property
   def __name__(self) -> str:
@@ -39,6 +53,10 @@ class Chain:
                key: Sequence[Any] | None = None) -> Any:
     consts = jax.lax.stop_gradient(consts)
     for i, (fn, p) in enumerate(zip(self.fns, params)):
+      if self.remat_policy is not None:
+        fn = jax.checkpoint(fn, policy=self.remat_policy, prevent_cse=False)
+      if self.barriers and i:
+        x = jax.lax.optimization_barrier(x)
       x = fn(p, x, *consts) if key is None else fn(p, x, *consts, key=key[i])
     return x
 
@@ -84,7 +102,8 @@ class FusedSegment(graphed_lib.GraphedCallable):
   def __init__(self, layers: Sequence[graphed_lib.GraphedCallable]):
     first = layers[0]
     self._layers = tuple(layers)
-    super().__init__(Chain(tuple(layer.fn for layer in layers)), first.index, first._config,
+    chain = Chain(tuple(layer.fn for layer in layers), remat_policy=first._config.remat_policy)
+    super().__init__(chain, first.index, first._config,
                      hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
                      offload=first._offload)
     self._set_name(f"fused({first.name}..{layers[-1].name})")
@@ -92,6 +111,10 @@ class FusedSegment(graphed_lib.GraphedCallable):
   @property
   def _n_keys(self) -> int:
     return len(self._layers) if self._config.rng else 0
+
+  @property
+  def _remat_policy(self) -> None:
+    return None  # the chain applies it per function
 
   def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
     return [value for layer in self._layers for value in layer._stream_inputs(stream)]

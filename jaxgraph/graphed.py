@@ -110,13 +110,13 @@ class GraphedCallable:
   def __init__(self, fn: Callable[..., Any], index: int, config: Config, *,
                hooks: hooks_lib.Hooks, capture_time_hooks: hooks_lib.Hooks, offload: bool):
     self.fn = fn
-    # What runs outside the executables (traced calls, the jax.jit fallback): the same math
-    # as the captured executables, so under the same residual policy.
-    self._uncaptured_fn = (fn if config.remat_policy is None else
-                           jax.checkpoint(fn, policy=config.remat_policy, prevent_cse=False))
     self.index = index
     self._set_name(f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]")
     self._config = config
+    # What runs outside the executables (traced calls, the jax.jit fallback): the same math
+    # as the captured executables, so under the same residual policy.
+    self._uncaptured_fn = (fn if self._remat_policy is None else
+                           jax.checkpoint(fn, policy=self._remat_policy, prevent_cse=False))
     self._hooks = hooks
     self._capture_time_hooks = capture_time_hooks
     self._offload = offload
@@ -331,7 +331,7 @@ class GraphedCallable:
                     signature, delay_wgrad=config.delay_wgrad,
                     wgrad_argnums=config.wgrad_argnums),
                 offload=self._offload,
-                remat_policy=config.remat_policy, name=self.name)
+                remat_policy=self._remat_policy, name=self.name)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")
@@ -383,6 +383,11 @@ class GraphedCallable:
   @property
   def _n_keys(self) -> int:
     return 1 if self._config.rng else 0
+
+  @property
+  def _remat_policy(self) -> Callable[..., bool] | None:
+    """The residual policy applied around `fn` (a fused chain applies it per function)."""
+    return self._config.remat_policy
 
   def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
     """(base, index, counter) for the stream forward; `stream` overrides base and counter."""

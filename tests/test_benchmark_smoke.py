@@ -53,3 +53,29 @@ def test_llama_breakdown_tiny_reports_each_part(tmp_path):
     found = json.load(f)["variants"]["recompute"]
   assert found["call"]["arrays_per_vjp"] >= 2 and found["call"]["vjp_host_us"] > 0
   assert found["step"]["graphed_tok_s"] > 0 and found["step"]["whole_tok_s"] > 0
+
+
+def test_fusion_probe_tiny_reports_each_variant(tmp_path):
+  """benchmarks/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT and
+  the Llama example, and reports their timings, host costs and executables (no GPU trace
+  on the CPU)."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  run = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "fusion_probe.py"), "--tiny", "--out",
+       str(tmp_path)],
+      capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert run.returncode == 0, run.stderr[-4000:]
+  assert "FAILED" not in run.stdout, run.stdout[-4000:]
+  with open(tmp_path / "fusion_probe.json") as f:
+    records = {(r["model"], r["variant"]): r for r in json.load(f)["records"]}
+  assert set(records) == {
+      ("tiny", "jaxgraph-recompute"), ("tiny", "jaxgraph-fuse-recompute"),
+      ("tiny", "jaxgraph-fuse-recompute+chainremat"), ("llama-tiny", "llama-recompute"),
+      ("llama-tiny", "llama-recompute-fuse"), ("llama-tiny", "llama-recompute-fuse+chainremat")}
+  for (model, variant), r in records.items():
+    assert r["step_ms"]["median"] > 0 and r["capture_s"] > 0
+    assert r["host"]["calls"] == (1 if r["fused"] else 2)
+    assert r["executables"]["forward_hlo"]["fusion"] > 0
+    assert "error" not in r["device"]
+    assert r["fused"] == ("vs_per_layer" in r)

@@ -9,6 +9,7 @@ import pytest
 
 import jaxgraph as jg
 from jaxgraph import fusion
+from jaxgraph import residuals
 from jaxgraph import rng as rng_lib
 from models import (carry_block, causal_mask, counting, dropout_mlp, init_mlp, masked_block, mlp,
                     reference_stack, trees_equal)
@@ -71,6 +72,30 @@ def test_fused_equals_unfused_up_to_rounding_with_the_same_keys():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   assert ([layer.rng_counter for layer in fused_layers]
           == [layer.rng_counter for layer in plain_layers] == [2] * 4)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="bitwise across executables: GPU autotuning may pick other kernels")
+@pytest.mark.parametrize("policy", [None, residuals.recompute_elementwise],
+                         ids=["all_residuals", "recompute_elementwise"])
+def test_fused_equals_per_layer_bitwise_and_keeps_what_the_layers_keep(policy):
+  # Barriers between layers and the policy applied per layer: the fused executables run the
+  # per-layer program, and keep the layers' residuals plus the activations between layers
+  # (which per layer are the next layer's inputs, held anyway).
+  depth = 4
+  params, x = _params(depth), _x()
+  build = lambda: jg.make_graphed([dropout_mlp] * depth, sample_args=[(p, x) for p in params],
+                                  rng=True, remat_policy=policy, num_warmup_iters=0)
+  fused_layers, plain_layers = build(), build()
+  compiles = sum(layer.stats.compiles for layer in fused_layers)
+  for _ in range(2):
+    y, pullback = jg.sequential_vjp(fused_layers, params, x, fuse=True)
+    y_plain, pullback_plain = jg.sequential_vjp(plain_layers, params, x)
+    assert trees_equal((y, *pullback(y)), (y_plain, *pullback_plain(y_plain)))
+  assert sum(layer.stats.compiles for layer in fused_layers) - compiles == 2  # one pair
+  [entry] = fusion.segment(fused_layers)._entries.values()
+  per_layer = plain_layers[0].stats.residual_bytes
+  assert entry.residual_bytes == depth * per_layer + (depth - 1) * x.nbytes
 
 
 def test_explicit_keys_are_fused_too():
