@@ -221,6 +221,10 @@ def plan(residual_bytes: Sequence[int], forward_seconds: Sequence[float],
   if (budget_bytes is None) == (max_slowdown is None):
     raise ValueError("plan takes exactly one goal: budget_bytes=(residual bytes allowed on "
                      "device) or max_slowdown=(a fraction, e.g. 0.05).")
+  goal = budget_bytes if budget_bytes is not None else max_slowdown
+  if goal < 0:
+    raise ValueError(f"plan got {'budget_bytes' if budget_bytes is not None else 'max_slowdown'}"
+                     f"={goal}; it must be >= 0.")
   compute = sum(forward_seconds) + sum(backward_seconds)
 
   def candidate(n: int) -> Plan:
@@ -231,14 +235,11 @@ def plan(residual_bytes: Sequence[int], forward_seconds: Sequence[float],
 
   candidates = [candidate(n) for n in range(layers + 1)]
   if budget_bytes is not None:
-    fits = [c for c in candidates if c.resident_bytes <= budget_bytes]
-    if fits:
-      return dataclasses.replace(fits[0], reason=(
-          f"The fewest layers that leave at most {budget_bytes / 2**30:.2f} GiB of residuals "
-          "on device."))
-    return dataclasses.replace(candidates[-1], reason=(
-        f"Even offloading every layer leaves more than {budget_bytes / 2**30:.2f} GiB on "
-        "device: lower the residuals (remat_policy) or offload more of each layer."))
+    # Offloading every layer leaves 0 bytes: some candidate always fits.
+    fits = next(c for c in candidates if c.resident_bytes <= budget_bytes)
+    return dataclasses.replace(fits, reason=(
+        f"The fewest layers that leave at most {budget_bytes / 2**30:.2f} GiB of their "
+        "offloadable residuals on device."))
   within = [c for c in candidates if c.predicted_seconds <= compute * (1 + max_slowdown)]
   return dataclasses.replace(within[-1], reason=(
       f"The most layers whose copies keep the step within {max_slowdown:.0%} of "

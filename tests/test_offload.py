@@ -436,6 +436,30 @@ def test_per_callable_flags_of_wrong_length_raise():
     jg.make_graphed(fns, sample_args=[(p, x) for p in params], offload_residuals=[True])
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    pytest.param(dict(offload_mode="later"), ValueError,
+                 r"offload_mode must be one of \('async', 'executable'\)", id="mode"),
+    pytest.param(dict(offload_min_bytes=-1), ValueError, r"offload_min_bytes must be an int >= 0",
+                 id="negative_min_bytes"),
+    pytest.param(dict(offload_min_bytes=1.5), TypeError, r"offload_min_bytes must be an int",
+                 id="float_min_bytes"),
+    pytest.param(dict(offload_names="hidden"), TypeError,
+                 r"offload_names takes a sequence of checkpoint_name strings", id="str_names"),
+    pytest.param(dict(offload_names=()), ValueError, r"offload_names=\(\) selects no residual",
+                 id="empty_names"),
+    pytest.param(dict(offload_residuals=False, offload_names=["hidden"]), ValueError,
+                 r"offload_residuals offloads none; pass offload_residuals=True",
+                 id="names_without_offload"),
+    pytest.param(dict(offload_residuals=False, offload_min_bytes=1), ValueError,
+                 r"offload_residuals offloads none", id="min_bytes_without_offload"),
+])
+def test_offload_argument_errors(kwargs, error, match):
+  fns, params, x = _stack()
+  kwargs = dict(offload_residuals=True) | kwargs
+  with pytest.raises(error, match=match):
+    jg.make_graphed(fns[0], sample_args=(params[0], x), **kwargs)
+
+
 class _DeviceWithoutHost:
   platform = "fake"
 
@@ -452,6 +476,79 @@ def test_backend_without_pinned_host_raises(monkeypatch):
   with pytest.raises(ValueError, match="pinned_host.*offload_residuals=False"):
     jg.make_graphed(fns[0], sample_args=(params[0], x), offload_residuals=True)
 
+
+
+# ------------------------------------------------------------------------------- planning
+
+GIB = 2 ** 30
+LINK = offload_lib.Link(to_host=50 * GIB, to_device=25 * GIB)
+
+
+def test_predict_seconds_without_offload_is_compute():
+  assert offload_lib.predict_seconds([False] * 3, [GIB] * 3, [1.0] * 3, [2.0] * 3, LINK) == 9.0
+
+
+def test_predict_seconds_hides_copies_that_fit_behind_compute():
+  """Layer 0's copy out (1/50 s) runs during layer 1's forward; its copy back (1/25 s) is
+  issued when layer 1's backward starts and is done before it ends: no stall."""
+  flags, sizes = [True, False], [GIB, GIB]
+  assert offload_lib.predict_seconds(flags, sizes, [0.1] * 2, [0.2] * 2, LINK) == pytest.approx(
+      0.6)
+  # A copy back longer than the backward it hides behind stalls by the difference.
+  slow = offload_lib.Link(to_host=50 * GIB, to_device=2.5 * GIB)  # 0.4 s
+  assert offload_lib.predict_seconds(flags, sizes, [0.1] * 2, [0.2] * 2, slow) == pytest.approx(
+      0.8)
+  # The last layer's residuals are needed first: offloading it stalls at once.
+  assert offload_lib.predict_seconds([False, True], sizes, [0.1] * 2, [0.2] * 2,
+                                     LINK) > 0.6 + 1 / 50
+
+
+def test_plan_for_a_budget_offloads_the_fewest_first_layers():
+  layers = 12
+  plan = offload_lib.plan([GIB] * layers, [0.002] * layers, [0.004] * layers, LINK,
+                          budget_bytes=5 * GIB)
+  assert plan.flags == (True,) * 7 + (False,) * 5
+  assert plan.offloaded_bytes == 7 * GIB and plan.resident_bytes == 5 * GIB
+  assert plan.compute_seconds == pytest.approx(0.072)
+  assert plan.predicted_seconds > plan.compute_seconds  # 1 GiB copies do not hide in 6 ms
+  report = str(plan)
+  assert "offload 7 of 12 layers" in report and "at most 5.00 GiB" in report
+
+
+def test_plan_for_a_zero_budget_offloads_every_layer():
+  plan = offload_lib.plan([GIB] * 2, [0.1] * 2, [0.2] * 2, LINK, budget_bytes=0)
+  assert plan.flags == (True, True) and plan.resident_bytes == 0
+
+
+def test_plan_for_a_slowdown_offloads_the_most_layers_that_hide():
+  """Copies of 1 GiB (20 ms out, 40 ms back) behind 100 ms forwards and 200 ms backwards
+  hide for all layers but the last; the last one's copy back would stall."""
+  layers = 4
+  plan = offload_lib.plan([GIB] * layers, [0.1] * layers, [0.2] * layers, LINK,
+                          max_slowdown=0.01)
+  assert plan.flags == (True, True, True, False)
+  assert plan.predicted_seconds == pytest.approx(plan.compute_seconds)
+  assert "within 1%" in str(plan)
+  none = offload_lib.plan([GIB] * layers, [1e-4] * layers, [2e-4] * layers, LINK,
+                          max_slowdown=0.01)
+  assert none.flags == (False,) * layers and none.offloaded_bytes == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    pytest.param(dict(), "exactly one goal", id="no_goal"),
+    pytest.param(dict(budget_bytes=1, max_slowdown=0.1), "exactly one goal", id="two_goals"),
+    pytest.param(dict(budget_bytes=-1), "budget_bytes=-1; it must be >= 0", id="negative"),
+])
+def test_plan_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    offload_lib.plan([GIB], [0.1], [0.2], LINK, **kwargs)
+  with pytest.raises(ValueError, match="one of each per layer"):
+    offload_lib.plan([GIB, GIB], [0.1], [0.2], LINK, budget_bytes=0)
+
+
+def test_measure_link_reports_positive_speeds():
+  link = offload_lib.measure_link(1 << 20, repeats=2)
+  assert link.to_host > 0 and link.to_device > 0
 
 
 # ------------------------------------------------------------------------------- warmup hooks
