@@ -26,6 +26,9 @@ from typing import Literal, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+# What docs/api.md shows; the copy helpers are the library's own.
+__all__ = ["Buffer", "Link", "Plan", "Policy", "measure_link", "plan", "predict_seconds"]
+
 Mode = Literal["async", "executable"]
 MODES: tuple[Mode, ...] = ("async", "executable")
 
