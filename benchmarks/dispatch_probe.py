@@ -91,7 +91,7 @@ def main() -> None:
   own = [capture_lib.loaded_copy(backward) for _ in saved]
   results["backward-own"] = host_us(lambda i: own[i % n](*saved[i % n]), args.calls, args.reps)
   fwd = capture_lib._forward_fn(entry.closed_jaxpr, entry.layout, "stream", outputs_only=False,
-                                offload=False)
+                                moved=())
   lowered = jax.jit(fwd).trace(
       *capture_lib._forward_specs(entry.signature, entry.layout, "stream")).lower()
   for label, options in (("cmdbuf-off", {"xla_gpu_enable_command_buffer": ""}),

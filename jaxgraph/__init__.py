@@ -9,6 +9,7 @@ import types
 
 from jaxgraph import flat
 from jaxgraph import fsdp
+from jaxgraph import offload
 from jaxgraph import residuals
 from jaxgraph import schedule
 from jaxgraph.api import make_graphed
@@ -33,6 +34,7 @@ __all__ = [
     "fsdp",
     "is_capturing",
     "make_graphed",
+    "offload",
     "residuals",
     "schedule",
     "sequential_vjp",

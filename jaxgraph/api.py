@@ -384,10 +384,32 @@ def _check_layers(fns: Any, hooks: Any, capture_time_hooks: Any, sample_args: An
                                                            "capture_time_hooks"))
 
 
+def _check_offload(offloaded: bool, mode: Any, min_bytes: Any,
+                   names: Any) -> offload_lib.Policy:
+  """The offload policy: its mode, and which kept residuals of an offloaded layer move."""
+  _check_choice("offload_mode", mode, offload_lib.MODES)
+  _check_int("offload_min_bytes", min_bytes, minimum=0)
+  if names is not None:
+    if (not isinstance(names, Sequence) or isinstance(names, (str, bytes))
+        or not all(isinstance(n, str) for n in names)):
+      raise TypeError(f"offload_names takes a sequence of checkpoint_name strings, e.g. "
+                      f"offload_names=('matmul_input',), or None; got {names!r}.")
+    if not names:
+      raise ValueError("offload_names=() selects no residual; pass None to offload every "
+                       "residual of the offloaded layers, or offload_residuals=False.")
+  if not offloaded and (min_bytes or names is not None):
+    raise ValueError("offload_min_bytes and offload_names choose residuals of the offloaded "
+                     "layers, but offload_residuals offloads none; pass offload_residuals="
+                     "True (or one bool per callable), or drop them.")
+  return offload_lib.Policy(mode, int(min_bytes),
+                            None if names is None else frozenset(names))
+
+
 def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
                   delay_wgrad: bool, wgrad_argnums: Any, max_captures: Any,
                   on_new_signature: Any, remat_policy: Any, inference_only: Any,
-                  donate_argnums: Any, per_layer_executables: Any) -> graphed_lib.Config:
+                  donate_argnums: Any, per_layer_executables: Any,
+                  offload: offload_lib.Policy) -> graphed_lib.Config:
   """Step 1b: the settings every callable shares, checked against the sample_args."""
   _check_int("max_captures", max_captures, minimum=1)
   _check_choice("on_new_signature", on_new_signature, _ON_NEW_SIGNATURE)
@@ -406,7 +428,7 @@ def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
                             inference_only=inference_only, remat_policy=remat_policy,
                             donate_argnums=donated,
                             per_layer_executables=_check_per_layer_executables(
-                                per_layer_executables))
+                                per_layer_executables), offload=offload)
 
 
 def _check_warmup(num_warmup_iters: Any, pre_warmup_hook: Any, post_warmup_hook: Any) -> int:
@@ -470,6 +492,9 @@ def make_graphed(
     delay_wgrad: bool = False,
     wgrad_argnums: Sequence[int] = (0,),
     offload_residuals: bool | Sequence[bool] = False,
+    offload_mode: offload_lib.Mode = "async",
+    offload_min_bytes: int = 0,
+    offload_names: Sequence[str] | None = None,
     max_captures: int = 8,
     on_new_signature: graphed_lib.OnNewSignature = "capture",
     remat_policy: Callable[..., bool] | None = None,
@@ -514,7 +539,19 @@ def make_graphed(
       (`pullback.wgrad()`), as separate executables.
     wgrad_argnums: the positional arguments that are weights (for `delay_wgrad`).
     offload_residuals: keep forward residuals in pinned host memory until the backward; a bool
-      or one bool per callable.
+      or one bool per callable (`jaxgraph.offload.plan` picks them from measured times).
+      Results are bitwise those without offload (docs/offload.md).
+    offload_mode: how residuals travel. "async": the host starts each copy to host memory
+      as the forward is enqueued and each copy back a layer ahead of its backward
+      (`Pullback.prefetch`), so both overlap other layers' compute; the executables are
+      those without offload. "executable": the forward executable writes them to host
+      memory and the backward executable reads them back, serial with each.
+    offload_min_bytes: offload only the kept buffers of at least this many bytes (small
+      residuals travel packed into one buffer per dtype; `Stats.offload_bytes` reports
+      what moves).
+    offload_names: offload only the residuals named one of these with
+      `jax.ad_checkpoint.checkpoint_name` (with `remat_policy`, saved named values); None:
+      named or not.
     max_captures: signatures captured per callable; after that, calls with new signatures
       run through `jax.jit` (one warning).
     on_new_signature: "capture" (up to `max_captures`) or "error" (raise on any signature
@@ -576,8 +613,9 @@ def make_graphed(
       count below its minimum, an unknown `on_new_signature`, an invalid `order` or
       `num_layers_per_chunk`, an argnum out of range (or repeated in `donate_argnums`),
       `inference_only=True` with `delay_wgrad`, `offload_residuals`, `order` or
-      `remat_policy`, `donate_argnums` without `inference_only=True`, and
-      `offload_residuals` on a backend without pinned host memory. Each error names the
+      `remat_policy`, `donate_argnums` without `inference_only=True`, an unknown
+      `offload_mode`, `offload_min_bytes` or `offload_names` without an offloaded layer
+      (or empty names), and `offload_residuals` on a backend without pinned host memory. Each error names the
       argument; all are raised before anything is traced or a hook fires.
   """
   layers = _check_layers(fns, hooks, capture_time_hooks, sample_args, order,
@@ -589,7 +627,9 @@ def make_graphed(
                          wgrad_argnums=wgrad_argnums, max_captures=max_captures,
                          on_new_signature=on_new_signature, remat_policy=remat_policy,
                          inference_only=inference_only, donate_argnums=donate_argnums,
-                         per_layer_executables=per_layer_executables)
+                         per_layer_executables=per_layer_executables,
+                         offload=_check_offload(any(layers.offload), offload_mode,
+                                                offload_min_bytes, offload_names))
   built = _build_callables(layers, config, seed)
   with hooks_lib.capturing():
     _capture_all(built, layers.samples, layers.plan, layers.sizes,

@@ -71,12 +71,14 @@ class Packing:
     return kept
 
 
-def plan_packing(kept: Sequence[Any], *, enabled: bool) -> Packing:
+def plan_packing(kept: Sequence[Any], *, enabled: bool,
+                 named: Sequence[bool] = ()) -> Packing:
   """Groups the small kept residuals by dtype; weak-typed and key-typed ones stay loose (a
-  flat buffer would drop their type), as does a group of one."""
+  flat buffer would drop their type), as do `named` ones (offload selects them by name) and
+  a group of one."""
   by_dtype: dict[Any, list[int]] = {}
   for i, aval in enumerate(kept):
-    if (enabled and not aval.weak_type
+    if (enabled and not aval.weak_type and not (i < len(named) and named[i])
         and not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
         and math.prod(aval.shape) * aval.dtype.itemsize <= PACK_MAX_BYTES):
       by_dtype.setdefault(aval.dtype, []).append(i)
@@ -109,6 +111,7 @@ class Layout:
   expanded_diff: tuple[int, ...]    # expanded leaves differentiated (those of `diff`)
   needed_inputs: tuple[int, ...]    # forward inputs the backward reads
   needed_outputs: tuple[int, ...]   # forward outputs the backward reads
+  buffers: tuple[offload_lib.Buffer, ...]  # size and name of each kept buffer (packed)
 
   @property
   def n_out(self) -> int:
@@ -137,7 +140,7 @@ class Executables:
   # name -> (compiled, argument leaves whose grads it returns)
   backward: dict[BackwardKind, tuple[Any, tuple[int, ...]]]
   closed_jaxpr: Any
-  offload: bool
+  moved: tuple[int, ...]            # kept buffers the executables move to host and back
   compiles: int
   compile_seconds: float
   residual_bytes: int               # what one forward keeps for its backward (kept, packed)
@@ -245,7 +248,12 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
   n_out = len(out_info) - found["n_kept"]
   out_specs = _output_specs(out_info[:n_out], name)
   sources = found["sources"]
-  packing = plan_packing(out_info[n_out:], enabled=_packs(signature))
+  names = kept_names(traced.jaxpr.jaxpr, n_out)
+  packing = plan_packing(out_info[n_out:], enabled=_packs(signature),
+                         named=[n is not None for n in names])
+  sizes = [math.prod(o.shape) * o.dtype.itemsize for o in out_info[n_out:]]
+  buffers = ([offload_lib.Buffer(sizes[i], names[i]) for i in packing.loose]
+             + [offload_lib.Buffer(sum(sizes[i] for i in g), None) for g in packing.groups])
   layout = Layout(
       n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"], out_specs=out_specs,
       res_treedef=found["res_treedef"], sources=sources, packing=packing, diff=diff,
@@ -253,7 +261,8 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
       needed_inputs=tuple(sorted({i for kind, i in sources if kind == "in"}
                                  | {expansion.inputs[j] for kind, j in sources
                                     if kind == "slice"})),
-      needed_outputs=tuple(sorted({i for kind, i in sources if kind == "out"})))
+      needed_outputs=tuple(sorted({i for kind, i in sources if kind == "out"})),
+      buffers=tuple(buffers))
   return traced.jaxpr, layout
 
 
@@ -263,6 +272,25 @@ def _packs(signature: sig_lib.Signature) -> bool:
   device = signature.default_device or jax.devices()[0]
   return (device.platform in PACK_PLATFORMS
           and all(s.sharding is None for s in signature.leaves))
+
+
+# Primitives that pass a value through unchanged on its way to becoming a residual: the
+# rounding `jax.checkpoint` puts on every value its policy saves.
+_PASS_THROUGH = frozenset({"reduce_precision", "copy", "copy_p"})
+
+
+def kept_names(jaxpr: Any, n_out: int) -> list[str | None]:
+  """The `checkpoint_name` of each kept residual (the jaxpr's outputs after `n_out`): the
+  name of the `name` equation that produced it, through pass-through primitives."""
+  producer = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+  names: list[str | None] = []
+  for var in jaxpr.outvars[n_out:]:
+    eqn = producer.get(id(var))
+    while eqn is not None and eqn.primitive.name in _PASS_THROUGH:
+      eqn = producer.get(id(eqn.invars[0]))
+    names.append(eqn.params["name"] if eqn is not None and eqn.primitive.name == "name"
+                 else None)
+  return names
 
 
 def trace_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
@@ -288,12 +316,12 @@ def trace_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_k
       n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"],
       out_specs=_output_specs(traced.out_info, name), res_treedef=None, sources=(),
       packing=plan_packing((), enabled=False), diff=(), needed_inputs=(), needed_outputs=(),
-      expansion=expansion, expanded_diff=())
+      expansion=expansion, expanded_diff=(), buffers=())
   return traced.jaxpr, layout
 
 
 def _forward_fn(closed: Any, layout: Layout, kind: ForwardKind, *, outputs_only: bool,
-                offload: bool) -> Callable[..., list[Any]]:
+                moved: tuple[int, ...]) -> Callable[..., list[Any]]:
   run = jex.core.jaxpr_as_fun(closed)
 
   def finish(values: list[Any]) -> list[Any]:
@@ -301,7 +329,7 @@ def _forward_fn(closed: Any, layout: Layout, kind: ForwardKind, *, outputs_only:
     if outputs_only:
       return outs
     kept = layout.packing.pack(values[layout.n_out:])
-    return [*outs, *(offload_lib.to_host(k) for k in kept)] if offload else [*outs, *kept]
+    return [*outs, *(offload_lib.to_host(k) if i in moved else k for i, k in enumerate(kept))]
 
   if kind == "explicit":
     return lambda *flat: finish(run(*flat))
@@ -332,7 +360,8 @@ def _donated_positions(donated: Sequence[int], layout: Layout,
   return tuple(shift + i for i in donated)
 
 
-def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Callable[..., Any]:
+def _backward_fn(layout: Layout, select: tuple[int, ...],
+                 moved: tuple[int, ...]) -> Callable[..., Any]:
   a, b, c = len(layout.needed_inputs), len(layout.needed_outputs), layout.n_kept
   ct_leaves = set(layout.ct_leaves)
   sliced = sorted({j for kind, j in layout.sources if kind == "slice"})
@@ -340,9 +369,8 @@ def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Call
   def backward(*flat):
     ins = dict(zip(layout.needed_inputs, flat[:a]))
     outs = dict(zip(layout.needed_outputs, flat[a:a + b]))
-    kept = flat[a + b:a + b + c]
-    if offload:
-      kept = [offload_lib.to_device(k) for k in kept]
+    kept = [offload_lib.to_device(k) if i in moved else k
+            for i, k in enumerate(flat[a + b:a + b + c])]
     kept = layout.packing.unpack(kept)
     cts = iter(flat[a + b + c:])
     slices = layout.expansion.slices(ins, sliced)
@@ -357,8 +385,9 @@ def _backward_fn(layout: Layout, select: tuple[int, ...], offload: bool) -> Call
 
 
 def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
-            backward: Sequence[tuple[BackwardKind, tuple[int, ...]]], offload: bool,
-            name: str, remat_policy: Callable[..., bool] | None = None) -> Executables:
+            backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
+            offload: offload_lib.Policy | None, name: str,
+            remat_policy: Callable[..., bool] | None = None) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -370,7 +399,9 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
     backward: which backward executables to build: ("full", leaves) or ("dgrad", leaves)
       and ("wgrad", leaves); the last one listed receives the residuals as donated buffers
       (device residuals only).
-    offload: write the kept residuals to pinned host memory, read them back in the backward.
+    offload: None, or the policy whose kept buffers the forward executable writes to pinned
+      host memory and the backward executable reads back (`"executable"` mode; async
+      offload runs the executables without offload, and the host moves the buffers).
     name: the callable's name, for errors.
     remat_policy: a `jax.checkpoint` policy choosing the residuals (None: all of `jax.vjp`'s).
   """
@@ -381,7 +412,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
   first: ForwardKind = "stream" if n_keys else "explicit"
-  fwd = _forward_fn(closed, layout, first, outputs_only=False, offload=offload)
+  moved = offload.select(layout.buffers) if offload is not None else ()
+  fwd = _forward_fn(closed, layout, first, outputs_only=False, moved=moved)
   forward = {(first, True): timer.compile(
       jax.jit(fwd).trace(*_forward_specs(signature, layout, first)))}
   out_info = forward[first, True].out_info  # outputs, kept residuals, then stream keys/counters
@@ -393,7 +425,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
   first_kept = len(layout.needed_inputs) + len(layout.needed_outputs)
   # Offloaded residuals are host buffers: donating them frees no device memory, and XLA would
   # alias them to device outputs (the result then has the wrong memory kind and aborts).
-  donate = () if offload else tuple(range(first_kept, first_kept + layout.n_kept))
+  donate = tuple(first_kept + i for i in range(layout.n_kept) if i not in moved)
   compiled_backward = {}
   for position, (kind, select) in enumerate(backward):
     last = position == len(backward) - 1
@@ -402,12 +434,12 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
     grad_shardings = [signature.leaves[leaf].sharding for leaf in select]
     placed = ({"out_shardings": grad_shardings}
               if any(s is not None for s in grad_shardings) else {})
-    bwd = jax.jit(_backward_fn(layout, select, offload), donate_argnums=donate if last else (),
+    bwd = jax.jit(_backward_fn(layout, select, moved), donate_argnums=donate if last else (),
                   **placed)
     compiled_backward[kind] = (timer.compile(bwd.trace(*bwd_specs)), select)
   kept_specs = out_info[layout.n_out:layout.n_out + layout.n_kept]
   return Executables(signature=signature, layout=layout, forward=forward,
-                     backward=compiled_backward, closed_jaxpr=closed, offload=offload,
+                     backward=compiled_backward, closed_jaxpr=closed, moved=moved,
                      compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds,
                      residual_bytes=sum(math.prod(s.shape) * s.dtype.itemsize
                                         for s in kept_specs))
@@ -428,7 +460,7 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
   entry = Executables(signature=signature, layout=layout, forward={}, backward={},
-                      closed_jaxpr=closed, offload=False, compiles=0, compile_seconds=0.0,
+                      closed_jaxpr=closed, moved=(), compiles=0, compile_seconds=0.0,
                       residual_bytes=0, donated=tuple(donated))
   _, compile_seconds = forward_executable(entry, "stream" if n_keys else "explicit",
                                           residuals=False)
@@ -484,7 +516,7 @@ def forward_executable(entry: Executables, kind: ForwardKind, *,
     return compiled, 0.0
   timer = _Timer()
   fwd = _forward_fn(entry.closed_jaxpr, entry.layout, kind, outputs_only=not residuals,
-                    offload=entry.offload and residuals)
+                    moved=entry.moved if residuals else ())
   donate = () if residuals else _donated_positions(entry.donated, entry.layout, kind)
   compiled = timer.compile(jax.jit(fwd, donate_argnums=donate).trace(
       *_forward_specs(entry.signature, entry.layout, kind)))

@@ -35,6 +35,9 @@ class SequentialPullback:
     grads: list[Any] = [None] * (self._steps[-1][1] if self._steps else 0)
     for position in reversed(range(len(self._steps))):
       lo, hi, pullback = self._steps[position]
+      if position:
+        # Async offload: the layer below's residuals come back while this backward computes.
+        self._steps[position - 1][2].prefetch()
       try:
         g_params, cotangent = pullback(cotangent)[:2]  # consts' gradients are dropped
       except BaseException:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxgraph import capture as capture_lib
 from jaxgraph import flat as flat_lib
 from jaxgraph import hooks as hooks_lib
+from jaxgraph import offload as offload_lib
 from jaxgraph import pullback as pullback_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph import signature as sig_lib
@@ -42,6 +43,8 @@ class Stats(NamedTuple):
     residual_bytes: bytes one `vjp` keeps alive for its backward besides the arguments and
       outputs the caller holds anyway (kept residuals), for the signature captured last; 0
       before any capture. Lower it with `make_graphed(..., remat_policy=...)`.
+    offload_bytes: of those, the bytes it keeps in host memory (`offload_residuals`); 0 for
+      a callable not offloaded.
   """
 
   captures: int
@@ -52,6 +55,7 @@ class Stats(NamedTuple):
   backward_replays: int
   fallbacks: int
   residual_bytes: int
+  offload_bytes: int
 
 
 @dataclasses.dataclass
@@ -67,7 +71,9 @@ class Config:
   remat_policy: Callable[..., bool] | None = None
   donate_argnums: tuple[int, ...] = ()  # inference only: positional args the forward donates
   per_layer_executables: bool = False  # each callable replays its own loaded copy
-  # (function, signature, offload) -> executables, shared by identical callables
+  offload: offload_lib.Policy = offload_lib.Policy()  # of the callables offloaded
+  # (function, signature, offload inside the executables) -> executables, shared by
+  # identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
   # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
   segments: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
@@ -90,13 +96,15 @@ class _Counters:
     self.compiles += compiles
     self.compile_seconds += seconds
 
-  def snapshot(self, segments: list[_Counters], residual_bytes: int) -> Stats:
+  def snapshot(self, segments: list[_Counters], residual_bytes: int,
+               offload_bytes: int) -> Stats:
     """`Stats` of these counts, with the captures and compiles of `segments` added."""
     return Stats(self.captures + sum(c.captures for c in segments),
                  self.cache_hits + sum(c.cache_hits for c in segments),
                  self.compiles + sum(c.compiles for c in segments),
                  self.compile_seconds + sum(c.compile_seconds for c in segments),
-                 self.replays, self.backward_replays, self.fallbacks, residual_bytes)
+                 self.replays, self.backward_replays, self.fallbacks, residual_bytes,
+                 offload_bytes)
 
 
 class GraphedCallable:
@@ -123,6 +131,8 @@ class GraphedCallable:
     self._entries: dict[sig_lib.Signature, capture_lib.Executables] = {}
     self._own: set[Any] = set()  # cache keys this callable captured (reset() drops them)
     self._replayed: dict[Any, Any] = {}  # a shared executable -> the one this callable runs
+    # signature -> the kept buffers its forward replays copy to host (async offload)
+    self._to_host: dict[sig_lib.Signature, tuple[int, ...]] = {}
     self._fallback: Callable[..., Any] | None = None
     self._busy = threading.Lock()
     self._counts = _Counters()
@@ -148,8 +158,13 @@ class GraphedCallable:
     their first layer.
     """
     last = next(reversed(self._entries.values()), None)
+    if last is None:
+      return self._counts.snapshot(
+          [segment._counts for segment in self._led_segments()], 0, 0)
+    offloaded = self._offloaded(last)
     return self._counts.snapshot([segment._counts for segment in self._led_segments()],
-                                 last.residual_bytes if last is not None else 0)
+                                 last.residual_bytes,
+                                 sum(last.layout.buffers[i].nbytes for i in offloaded))
 
   def reset(self) -> None:
     """Drops this callable's executables, and those of fused segments it belongs to; its
@@ -165,6 +180,7 @@ class GraphedCallable:
     self._entries.clear()
     self._own.clear()
     self._replayed.clear()
+    self._to_host.clear()
     self._fallback = None
 
   def _count_replay(self, *, backward: bool) -> None:
@@ -312,9 +328,19 @@ class GraphedCallable:
       return None
     return self._capture(signature)
 
+  def _cache_key(self, signature: sig_lib.Signature) -> tuple[Any, ...]:
+    """Async offload leaves the executables as without offload: layers with and without it
+    share them."""
+    inside = self._offload and self._config.offload.mode == "executable"
+    return (self.fn, signature, inside)
+
+  def _offloaded(self, entry: capture_lib.Executables) -> tuple[int, ...]:
+    """The kept buffers of `entry` this callable offloads (by either mode)."""
+    return self._config.offload.select(entry.layout.buffers) if self._offload else ()
+
   def _capture(self, signature: sig_lib.Signature) -> capture_lib.Executables:
     config = self._config
-    cache_key = (self.fn, signature, self._offload)
+    cache_key = self._cache_key(signature)
     with config.lock:
       entry = config.cache.get(cache_key)
       if entry is None:
@@ -330,7 +356,7 @@ class GraphedCallable:
                 backward=pullback_lib.backward_plan(
                     signature, delay_wgrad=config.delay_wgrad,
                     wgrad_argnums=config.wgrad_argnums),
-                offload=self._offload,
+                offload=config.offload if cache_key[-1] else None,
                 remat_policy=self._remat_policy, name=self.name)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
@@ -343,6 +369,8 @@ class GraphedCallable:
       else:
         self._counts.cache_hits += 1
     self._entries[signature] = entry
+    if config.offload.mode == "async":
+      self._to_host[signature] = self._offloaded(entry)
     return entry
 
   def _forward(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any, key: Any, *,
@@ -374,7 +402,7 @@ class GraphedCallable:
     `entry` (and replays `exe` itself)."""
     local = self._replayed.get(exe)
     if local is None:
-      captured_here = (self.fn, entry.signature, self._offload) in self._own
+      captured_here = self._cache_key(entry.signature) in self._own
       local = (capture_lib.loaded_copy(exe)
                if self._config.per_layer_executables and not captured_here else exe)
       self._replayed[exe] = local
@@ -428,9 +456,15 @@ class GraphedCallable:
     if not with_pullback:
       return (jax.tree.unflatten(layout.out_treedef, values),)
     outs, kept = values[:layout.n_out], values[layout.n_out:]
+    to_host = self._to_host.get(entry.signature, ())
+    if to_host:
+      # Started now, the copies run while the next layers compute. Nothing holds the device
+      # arrays after this call returns; the runtime frees each once its copy has read it.
+      for i, array in zip(to_host, offload_lib.start_to_host([kept[i] for i in to_host])):
+        kept[i] = array
     backward = pullback_lib.ExecutableBackward(
         self, entry, needed_inputs=[inputs[i] for i in layout.needed_inputs],
-        needed_outputs=[outs[i] for i in layout.needed_outputs], kept=kept,
+        needed_outputs=[outs[i] for i in layout.needed_outputs], kept=kept, on_host=to_host,
         placements=sig_lib.respelled(leaves, layout.diff))
     if not any(self._backward_hooks(event.phase)):
       # Without backward hooks nobody reads the args again: don't keep them alive.

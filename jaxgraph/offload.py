@@ -1,8 +1,74 @@
-"""Memory-kind placement of residuals: forward writes them to pinned host memory."""
+"""Residual offload: which kept residuals move to host memory, how, and which layers to pick.
+
+An offloaded layer's forward keeps some of its residuals in `pinned_host` memory until its
+backward. `Policy` says which ones (by size, by `checkpoint_name`) and how they travel:
+
+* `"async"` (the default): the executables are those of a layer without offload. The host
+  starts each copy to `pinned_host` as soon as the forward is enqueued and drops the device
+  array (the runtime keeps it until the copy has read it), and starts the copy back one
+  layer ahead of the backward (`Pullback.prefetch`). Both run on the runtime's transfer
+  streams, so they overlap the next layers' compute.
+* `"executable"`: the forward executable writes the residuals to `pinned_host` and the
+  backward executable copies them back before any compute reads them; each copy is serial
+  with its executable.
+
+`plan` picks the layers whose copies hide behind compute, from measured link speeds
+(`measure_link`) and per-layer times.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import time
+from typing import Literal, NamedTuple, Sequence
+
 import jax
+import jax.numpy as jnp
+
+# What docs/api.md shows; the copy helpers are the library's own.
+__all__ = ["Buffer", "Link", "Plan", "Policy", "measure_link", "plan", "predict_seconds"]
+
+Mode = Literal["async", "executable"]
+MODES: tuple[Mode, ...] = ("async", "executable")
+
+
+class Buffer(NamedTuple):
+  """One buffer a forward keeps for its backward: a residual, or small ones packed together.
+
+  Attributes:
+    nbytes: its size.
+    name: the `jax.ad_checkpoint.checkpoint_name` of the residual; None when it has none,
+      or for a buffer of packed residuals.
+  """
+
+  nbytes: int
+  name: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Which kept buffers of an offloaded layer move to host memory, and how.
+
+  Attributes:
+    mode: "async" (host-issued copies that overlap compute) or "executable" (copies inside
+      the forward and backward executables).
+    min_bytes: offload only buffers of at least this many bytes.
+    names: offload only residuals named one of these with `checkpoint_name`; None: named
+      or not. With both, a buffer must pass both.
+  """
+
+  mode: Mode = "async"
+  min_bytes: int = 0
+  names: frozenset[str] | None = None
+
+  def select(self, buffers: Sequence[Buffer]) -> tuple[int, ...]:
+    """The positions of the buffers this policy offloads."""
+    return tuple(i for i, b in enumerate(buffers)
+                 if b.nbytes >= self.min_bytes and (self.names is None or b.name in self.names))
+
+
+# ------------------------------------------------------------------- copies inside executables
 
 
 def to_host(x: jax.Array) -> jax.Array:
@@ -18,6 +84,26 @@ def to_device(x: jax.Array) -> jax.Array:
   return jax.device_put(x, jax.memory.Space.Device)
 
 
+# ---------------------------------------------------------------------- copies from the host
+
+
+def start_to_host(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+  """Starts copying device arrays to pinned host memory; returns the host arrays at once.
+
+  One batched `jax.device_put` between memory kinds of the same devices: the runtime enqueues
+  the copies behind whatever computes the arrays, and keeps each source alive until its copy
+  has read it, so the caller drops the device arrays right away.
+  """
+  return jax.device_put(list(arrays),
+                        [a.sharding.with_memory_kind("pinned_host") for a in arrays])
+
+
+def start_to_device(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+  """Starts copying host arrays back to device memory; returns the device arrays at once (an
+  executable reading one waits for its copy)."""
+  return jax.device_put(list(arrays), [a.sharding.with_memory_kind("device") for a in arrays])
+
+
 def check_backend_supports_offload() -> None:
   """Raises a clear error when the default backend has no pinned host memory."""
   device = jax.devices()[0]
@@ -27,3 +113,137 @@ def check_backend_supports_offload() -> None:
         f"offload_residuals=True needs a 'pinned_host' memory kind, but {device.platform} "
         f"device {device} has only {sorted(kinds)}. Use offload_residuals=False on this "
         "backend.")
+
+
+# ------------------------------------------------------------------------------- planning
+
+
+class Link(NamedTuple):
+  """Measured copy speeds between device and pinned host memory, in bytes per second."""
+
+  to_host: float
+  to_device: float
+
+
+def measure_link(nbytes: int = 1 << 30, *, repeats: int = 5) -> Link:
+  """Times `start_to_host` and `start_to_device` of one `nbytes` buffer on the default device
+  (the copies async offload issues); the median of `repeats`, each waited for alone."""
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  seconds: dict[str, list[float]] = {"to_host": [], "to_device": []}
+  for _ in range(repeats + 1):  # the first round allocates host memory: not counted
+    jax.block_until_ready(x)
+    start = time.perf_counter()
+    (host,) = jax.block_until_ready(start_to_host([x]))
+    middle = time.perf_counter()
+    jax.block_until_ready(start_to_device([host]))
+    seconds["to_host"].append(middle - start)
+    seconds["to_device"].append(time.perf_counter() - middle)
+  return Link(*(nbytes / statistics.median(s[1:]) for s in seconds.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Which layers `plan` offloads, and why.
+
+  Attributes:
+    flags: one bool per layer, for `make_graphed(..., offload_residuals=flags)`.
+    offloaded_bytes: residual bytes per step that leave the device.
+    resident_bytes: residual bytes that stay (the layers not offloaded).
+    compute_seconds: the step's forwards and backwards without offload.
+    predicted_seconds: the step with these copies, as `predict_seconds` models it.
+    reason: what decided the choice, in words.
+  """
+
+  flags: tuple[bool, ...]
+  offloaded_bytes: int
+  resident_bytes: int
+  compute_seconds: float
+  predicted_seconds: float
+  reason: str
+
+  def __str__(self) -> str:
+    n = sum(self.flags)
+    return (f"offload {n} of {len(self.flags)} layers (the first {n}): "
+            f"{self.offloaded_bytes / 2**30:.2f} GiB to host, "
+            f"{self.resident_bytes / 2**30:.2f} GiB stay; predicted step "
+            f"{self.predicted_seconds * 1e3:.1f} ms vs {self.compute_seconds * 1e3:.1f} ms "
+            f"without offload ({self.predicted_seconds / self.compute_seconds - 1:+.1%}). "
+            f"{self.reason}")
+
+
+def predict_seconds(flags: Sequence[bool], residual_bytes: Sequence[int],
+                    forward_seconds: Sequence[float], backward_seconds: Sequence[float],
+                    link: Link) -> float:
+  """The step time of async offload, modelled: one copy stream each way, in issue order.
+
+  Layer i's copy out starts once its forward and the previous copy out are done; its copy
+  back starts when the backward of layer i + 1 starts (the prefetch), once its copy out and
+  the previous copy back are done; its backward waits for it. Compute is not slowed by the
+  copies (they share the device's memory bandwidth: a lower bound).
+  """
+  clock, out_free, out_done = 0.0, 0.0, {}
+  for i, offloaded in enumerate(flags):
+    clock += forward_seconds[i]
+    if offloaded:
+      out_free = out_done[i] = max(out_free, clock) + residual_bytes[i] / link.to_host
+  in_free, issue = 0.0, clock
+  for i in reversed(range(len(flags))):
+    start = clock
+    if flags[i]:
+      in_free = max(in_free, issue, out_done[i]) + residual_bytes[i] / link.to_device
+      start = max(clock, in_free)
+    issue, clock = start, start + backward_seconds[i]
+  return clock
+
+
+def plan(residual_bytes: Sequence[int], forward_seconds: Sequence[float],
+         backward_seconds: Sequence[float], link: Link, *, budget_bytes: int | None = None,
+         max_slowdown: float | None = None) -> Plan:
+  """Picks the layers to offload (the first n, as the backward needs the last ones first).
+
+  Give exactly one goal: `budget_bytes`, the residual bytes that may stay on device (the
+  fewest layers that meet it), or `max_slowdown`, a fraction of the step time the copies may
+  add as `predict_seconds` models them (the most layers within it).
+
+  Args:
+    residual_bytes: per layer, the bytes its forward would offload (`Stats.offload_bytes` of
+      a layer built with `offload_residuals=True`).
+    forward_seconds: per layer, its forward's device time.
+    backward_seconds: per layer, its backward's device time.
+    link: copy speeds (`measure_link`).
+    budget_bytes: the device-memory budget for residuals.
+    max_slowdown: e.g. 0.05 for at most 5% slower.
+
+  Returns:
+    The `Plan`; `str(plan)` reports it.
+  """
+  layers = len(residual_bytes)
+  if len(forward_seconds) != layers or len(backward_seconds) != layers:
+    raise ValueError(f"plan got {layers} residual sizes but {len(forward_seconds)} forward "
+                     f"and {len(backward_seconds)} backward times; give one of each per layer.")
+  if (budget_bytes is None) == (max_slowdown is None):
+    raise ValueError("plan takes exactly one goal: budget_bytes=(residual bytes allowed on "
+                     "device) or max_slowdown=(a fraction, e.g. 0.05).")
+  goal = budget_bytes if budget_bytes is not None else max_slowdown
+  if goal < 0:
+    raise ValueError(f"plan got {'budget_bytes' if budget_bytes is not None else 'max_slowdown'}"
+                     f"={goal}; it must be >= 0.")
+  compute = sum(forward_seconds) + sum(backward_seconds)
+
+  def candidate(n: int) -> Plan:
+    flags = (True,) * n + (False,) * (layers - n)
+    return Plan(flags, sum(residual_bytes[:n]), sum(residual_bytes[n:]), compute,
+                predict_seconds(flags, residual_bytes, forward_seconds, backward_seconds,
+                                link), "")
+
+  candidates = [candidate(n) for n in range(layers + 1)]
+  if budget_bytes is not None:
+    # Offloading every layer leaves 0 bytes: some candidate always fits.
+    fits = next(c for c in candidates if c.resident_bytes <= budget_bytes)
+    return dataclasses.replace(fits, reason=(
+        f"The fewest layers that leave at most {budget_bytes / 2**30:.2f} GiB of their "
+        "offloadable residuals on device."))
+  within = [c for c in candidates if c.predicted_seconds <= compute * (1 + max_slowdown)]
+  return dataclasses.replace(within[-1], reason=(
+      f"The most layers whose copies keep the step within {max_slowdown:.0%} of "
+      f"{compute * 1e3:.1f} ms."))

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxgraph import capture as capture_lib
 from jaxgraph import hooks as hooks_lib
+from jaxgraph import offload as offload_lib
 from jaxgraph import signature as sig_lib
 
 # What a backward returns: the gradients now, and the deferred weight gradients (delay_wgrad).
@@ -106,6 +107,8 @@ class ExecutableBackward:
     kept: what the forward returned for the backward only (donated to the last backward).
     placements: `(argument leaf, its sharding)` where the executable returns that leaf's
       gradient in another spelling of the same placement (`signature.respelled`).
+    on_host: the positions in `kept` of arrays async offload copied to host memory; the
+      backward copies them back first, unless `prefetch` already did.
   """
 
   owner: Owner
@@ -114,6 +117,15 @@ class ExecutableBackward:
   needed_outputs: list[Any]
   kept: list[Any]
   placements: tuple[tuple[int, Any], ...] = ()
+  on_host: tuple[int, ...] = ()
+
+  def prefetch(self) -> None:
+    """Starts copying the kept arrays in host memory back to the device (once)."""
+    if self.on_host:
+      back = offload_lib.start_to_device([self.kept[i] for i in self.on_host])
+      for i, array in zip(self.on_host, back):
+        self.kept[i] = array
+      self.on_host = ()
 
   def __call__(self, cotangents: Any) -> BackwardResult:
     entry, layout = self.entry, self.entry.layout
@@ -137,6 +149,7 @@ class ExecutableBackward:
             lambda: assemble(entry, self._run("wgrad", cts), wgrad_select, argnums))
 
   def _run(self, kind: capture_lib.BackwardKind, cts: list[Any]) -> list[Any]:
+    self.prefetch()
     owner = self.owner
     exe = owner._local(self.entry, self.entry.backward[kind][0])
     try:
@@ -193,6 +206,18 @@ class Pullback:
   def consumed(self) -> bool:
     """Whether the backward ran (a pullback replays it once)."""
     return self._state != "ready"
+
+  def prefetch(self) -> None:
+    """Starts copying the residuals this pullback holds in host memory back to the device.
+
+    With async offload (`make_graphed(..., offload_residuals=True)`) the backward copies them
+    back itself when it runs, after the backward before it: call `prefetch` a layer ahead
+    (`sequential_vjp` and `schedule.Pipeline` do) so the copy overlaps that backward. Returns
+    at once; a no-op without async offload (`offload_mode="executable"` copies them inside
+    the backward executable), when called again, or after the backward.
+    """
+    if self._state == "ready" and isinstance(self._backward, ExecutableBackward):
+      self._backward.prefetch()
 
   def __call__(self, cotangents: Any) -> tuple[Any, ...]:
     owner, event = self._owner, self._event

@@ -524,6 +524,8 @@ class Pipeline:
         ct = self._place(cts.pop((c, m)), c)
         chunk_pullbacks = pullbacks.pop((c, m))
         for l in reversed(range(len(chunk_pullbacks))):
+          if l:  # async offload: the next layer's residuals come back during this backward
+            chunk_pullbacks[l - 1].prefetch()
           g_params, ct = chunk_pullbacks[l](ct)
           if not self.delay_wgrad:
             grads[c][l] = _add(grads[c][l], g_params)

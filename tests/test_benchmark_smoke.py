@@ -79,3 +79,40 @@ def test_fusion_probe_tiny_reports_each_variant(tmp_path):
     assert r["executables"]["forward_hlo"]["fusion"] > 0
     assert "error" not in r["device"]
     assert r["fused"] == ("vs_per_layer" in r)
+
+
+def _offload_bench():
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import offload_bench
+  finally:
+    sys.path.pop(0)
+  return offload_bench
+
+
+def test_offload_bench_overlap_summary_of_a_synthetic_trace():
+  """A copy to host half covered by a kernel on another stream; one to device not at all;
+  a kernel on the copy's own stream does not count; summary lines are skipped."""
+  meta = [dict(ph="M", pid=1, name="process_name", args=dict(name="/device:GPU:0")),
+          dict(ph="M", pid=1, tid=1, name="thread_name", args=dict(name="Stream #1(Compute)")),
+          dict(ph="M", pid=1, tid=2, name="thread_name", args=dict(name="Stream #2(MemcpyD2H)")),
+          dict(ph="M", pid=1, tid=3, name="thread_name", args=dict(name="XLA Ops"))]
+  spans = [dict(ph="X", pid=1, tid=1, name="gemm", ts=0, dur=50),
+           dict(ph="X", pid=1, tid=3, name="fusion", ts=0, dur=1000),
+           dict(ph="X", pid=1, tid=2, name="MemcpyD2H", ts=0, dur=100),
+           dict(ph="X", pid=1, tid=2, name="copy_kernel", ts=100, dur=100),
+           dict(ph="X", pid=1, tid=2, name="MemcpyH2D", ts=300, dur=100)]
+  summary = _offload_bench().overlap_summary(meta + spans)
+  assert summary["to_host"]["overlap_fraction"] == 0.5
+  assert summary["to_device"]["overlap_fraction"] == 0.0
+  assert summary["to_host"]["streams"] == ["Stream #2(MemcpyD2H)"]
+  assert summary["kernels"] == 2 and summary["device_lines"]["XLA Ops"] == 1
+
+
+def test_offload_bench_variant_names():
+  bench = _offload_bench()
+  assert bench.parse_variant("async-but-2", 4).flags == (True, True, False, False)
+  assert bench.parse_variant("async-first-1", 3).flags == (True, False, False)
+  assert bench.parse_variant("exe-all", 2).mode == "executable"
+  assert bench.parse_variant("async-min64", 2).min_bytes == 64 << 20
+  assert bench.parse_variant("async-names", 2).names == ("matmul_input",)
