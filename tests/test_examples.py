@@ -176,6 +176,16 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   assert resumed["losses"] == losses and resumed["eval_losses"] == metrics["eval_losses"]
   assert resumed["params_sha256"] == metrics["params_sha256"]
 
+  # --fuse: the blocks as one executable pair per microbatch, the layers' own kernels (an
+  # optimization barrier between blocks): on the CPU the same run, bit for bit.
+  fused = tmp_path / "fused"
+  _run("llama/train.py", env, *common, "--out", str(fused), "--fuse", "--no-check")
+  fused_metrics = json.loads((fused / "metrics.json").read_text())
+  assert fused_metrics["config"]["fuse"] is True
+  if jax.default_backend() == "cpu":
+    assert fused_metrics["losses"] == losses
+    assert fused_metrics["params_sha256"] == metrics["params_sha256"]
+
 
 def test_llama_plain_ends_untied_without_dropout(tmp_path, env):
   out = _run("llama/train.py", env, "--preset", "tiny", "--steps", "4", "--generate", "4",
@@ -451,6 +461,7 @@ def test_metrics_json_is_written_atomically(common, tmp_path, monkeypatch):
     (["--rounds", "0"], "--rounds takes a number >= 1"),
     (["--round-steps", "0"], "--round-steps takes a number >= 1"),
     (["--whole-step", "--check"], "with --whole-step there is no graphed step"),
+    (["--whole-step", "--fuse"], "with --whole-step there are no graphed blocks"),
     (["--dtype", "float32", "--attention", "cudnn"], "pass --attention xla"),
     (["--batch", "0"], "--batch takes a number >= 1"),
     (["--fsdp", "0"], "--fsdp takes a number of devices >= 1"),
@@ -464,7 +475,7 @@ def test_metrics_json_is_written_atomically(common, tmp_path, monkeypatch):
     (["--fsdp", "2", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id",
       "2"], "--process-id takes 0 to --num-processes - 1"),
 ], ids=["seed", "dropout", "negative_dropout", "generate", "temperature", "rounds",
-        "round_steps", "whole_step_check", "cudnn_float32", "batch", "fsdp_zero", "fsdp_batch",
+        "round_steps", "whole_step_check", "whole_step_fuse", "cudnn_float32", "batch", "fsdp_zero", "fsdp_batch",
         "fsdp_no_flat", "fsdp_devices", "coordinator_alone", "processes_without_fsdp",
         "process_id"])
 def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):

@@ -387,9 +387,10 @@ class Trainer:
 
   def __init__(self, layers: Sequence[Layer], config: Config, tx: optax.GradientTransformation,
                microbatches: int, params: Params, opt_state: Any,
-               placement: Placement | None = None):
+               placement: Placement | None = None, fuse: bool = False):
     placement = self.placement = placement or Placement()
     self.layers, self.config, self.tx, self.microbatches = layers, config, tx, microbatches
+    self.fuse = fuse  # the blocks' hook-free runs as one executable pair (docs/fusion.md)
     self.one = placement.replicate(jnp.ones((), jnp.float32))  # the loss cotangent
     # --fsdp: the summed grads, the params and the optimizer state keep their shardings
     # (a params sharding that changed would be a new signature for every layer).
@@ -415,7 +416,8 @@ class Trainer:
     """Graphed forwards, then graphed backwards in reverse: (loss, grads, table grad)."""
     embed, blocks, head = self.layers[0], self.layers[1:-1], self.layers[-1]
     x, embed_pullback = embed.vjp(params[0], tokens)
-    x, blocks_pullback = jg.sequential_vjp(blocks, params[1:-1], x, consts=(positions,))
+    x, blocks_pullback = jg.sequential_vjp(blocks, params[1:-1], x, consts=(positions,),
+                                           fuse=self.fuse)
     loss, head_pullback = head.vjp(params[-1], x, targets, *tied_inputs(params, self.config))
     head_grads, x_grads, _, *tied_grads = head_pullback(self.one)
     block_grads, x_grads = blocks_pullback(x_grads)
@@ -1016,7 +1018,8 @@ def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
           "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
-          "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch}
+          "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch,
+          "fuse": True if args.fuse else None}  # None when off, as before the flag
 
 
 def check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -1086,6 +1089,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                       help="each part's params as flat buffers (jg.flat.ravel), one per "
                            "(decay group, dtype): fewer leaves per executable call (default; "
                            "--no-flat: pytrees)")
+  parser.add_argument("--fuse", action="store_true",
+                      help="replay the blocks as one forward and one backward executable per "
+                           "microbatch (sequential_vjp(..., fuse=True)): fewer host calls, the "
+                           "same kernels; the fused pair compiles on the first step")
   parser.add_argument("--residuals", choices=sorted(RESIDUAL_POLICIES), default="recompute",
                       help="what a graphed forward keeps for its backward: 'recompute' (default: "
                            "jaxgraph.residuals.recompute_elementwise, the whole step's device "
@@ -1125,6 +1132,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if args.whole_step and args.check:
     parser.error("--check compares the graphed step with the whole-step jax.jit; with "
                  "--whole-step there is no graphed step: drop one of them")
+  if args.whole_step and args.fuse:
+    parser.error("--fuse replays the graphed blocks fused; with --whole-step there are no "
+                 "graphed blocks: drop one of them")
   if args.batch == PRESETS[args.preset].batch:
     args.batch = None  # the preset's: the same run as without the flag (--resume compares)
   preset = resolve(args)
@@ -1225,7 +1235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{trainer.compile_seconds:.1f} s)")
   else:
     trainer = Trainer(train_layers, config, tx, preset.microbatches, params, opt_state,
-                      placement)
+                      placement, fuse=args.fuse)
   if placement.mesh is not None:
     sharded = fsdp_report(placement, trainer, params, opt_state, corpus, positions, count)
 
