@@ -612,7 +612,8 @@ def _gpu_stack():
 @pytest.mark.gpu
 def test_gpu_compiled_executables_copy_residuals_through_host_memory():
   fns, params, x = _gpu_stack()
-  layers = jg.make_graphed(fns, sample_args=[(p, x) for p in params], offload_residuals=True)
+  layers = jg.make_graphed(fns, sample_args=[(p, x) for p in params], offload_residuals=True,
+                           offload_mode="executable")
   entry = _entry(layers[0])
   forward = entry.forward["explicit", True].as_text()
   backward = entry.backward["full"][0].as_text()
