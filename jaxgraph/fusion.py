@@ -13,15 +13,10 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxgraph import graphed as graphed_lib
 from jaxgraph import hooks as hooks_lib
 from jaxgraph import signature as sig_lib
-
-
-# The `checkpoint_name` of the activation between two layers of a fused chain.
-CARRY_NAME = "jaxgraph.fusion.carry"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +56,7 @@ class Chain:
       if self.remat_policy is not None:
         fn = jax.checkpoint(fn, policy=self.remat_policy, prevent_cse=False)
       if self.barriers and i:
-        # Named too, so that it stays a buffer of its own: per layer the carry is the next
-        # layer's input, never copied; packed with the small residuals it would be.
-        x = jax.tree.map(lambda leaf: checkpoint_name(leaf, CARRY_NAME),
-                         jax.lax.optimization_barrier(x))
+        x = jax.lax.optimization_barrier(x)
       x = fn(p, x, *consts) if key is None else fn(p, x, *consts, key=key[i])
     return x
 

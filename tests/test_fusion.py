@@ -274,22 +274,3 @@ def test_fused_tuple_carry():
       [fusion.Chain((carry_block,) * depth)], [tuple(params)], carry, ct, consts=(positions,))
   assert trees_equal(((h, aux), tuple(grads), g_carry), (ref_out, grads_ref, g_carry_ref))
   assert len(layers[0]._config.segments) == 1  # it ran fused
-
-
-def test_the_carry_between_layers_is_not_packed(monkeypatch):
-  # Packing copies what it packs; the activation between two layers is a buffer of its own,
-  # as per layer (the next layer's input), also where small residuals are packed.
-  from jaxgraph import capture as capture_lib
-  monkeypatch.setattr(capture_lib, "PACK_PLATFORMS",
-                      capture_lib.PACK_PLATFORMS | {jax.devices()[0].platform})
-  depth = 4
-  params, x = _params(depth), _x()
-  layers = jg.make_graphed([mlp] * depth, sample_args=[(p, x) for p in params])
-  y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
-  pullback(jnp.ones_like(y))
-  (segment,) = layers[0]._led_segments()
-  (entry,) = segment._entries.values()
-  packing = entry.layout.packing
-  assert packing.groups  # small residuals are packed...
-  loose_carries = [i for i in packing.loose if packing.shapes[i] == x.shape]
-  assert len(loose_carries) == depth - 1  # ...but not the activations between the layers
