@@ -605,7 +605,8 @@ def make_graphed(
       (or `jax.ShapeDtypeStruct`s), a flag that is not a bool, a count or argnum that is
       not an int (bools are not counts), hooks that are not `jaxgraph.Hooks`, warmup hooks
       or `remat_policy` that are not callable, `rng` neither a bool nor a typed key, `order`
-      entries or `num_layers_per_chunk` that are not ints.
+      entries or `num_layers_per_chunk` that are not ints, `offload_names` not a sequence
+      of strings.
       Errors raised while tracing or compiling a function propagate, with a note naming
       the callable and its `sample_args` entry.
     ValueError: for an argument of the right type with a bad value: no callables, a number
@@ -615,8 +616,9 @@ def make_graphed(
       `inference_only=True` with `delay_wgrad`, `offload_residuals`, `order` or
       `remat_policy`, `donate_argnums` without `inference_only=True`, an unknown
       `offload_mode`, `offload_min_bytes` or `offload_names` without an offloaded layer
-      (or empty names), and `offload_residuals` on a backend without pinned host memory. Each error names the
-      argument; all are raised before anything is traced or a hook fires.
+      (or empty names), and `offload_residuals` on a backend without pinned host memory.
+      Each error names the argument; all are raised before anything is traced or a hook
+      fires.
   """
   layers = _check_layers(fns, hooks, capture_time_hooks, sample_args, order,
                          num_layers_per_chunk, delay_wgrad=delay_wgrad,
