@@ -415,14 +415,14 @@ def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
   _check_choice("on_new_signature", on_new_signature, _ON_NEW_SIGNATURE)
   _check_callable("remat_policy", remat_policy, "a jax.checkpoint policy (a callable, e.g. "
                   "jaxgraph.residuals.recompute_elementwise) or None")
+  if any(layers.offload):  # first: the sample checks below already ask the backend
+    offload_lib.check_backend_supports_offload()
   wgrad = _check_wgrad_argnums(wgrad_argnums, layers.flat_samples, delay_wgrad=delay_wgrad)
   _check_sample_leaves(layers.flat_samples)
   inference_only = _check_inference_only(inference_only, delay_wgrad=delay_wgrad, order=order,
                                          offload=any(layers.offload), remat_policy=remat_policy)
   donated = _check_donate_argnums(donate_argnums, layers.flat_samples,
                                   inference_only=inference_only)
-  if any(layers.offload):
-    offload_lib.check_backend_supports_offload()
   return graphed_lib.Config(rng=rng, delay_wgrad=delay_wgrad, wgrad_argnums=wgrad,
                             max_captures=max_captures, on_new_signature=on_new_signature,
                             inference_only=inference_only, remat_policy=remat_policy,

@@ -194,8 +194,8 @@ def _output_specs(out_info: Sequence[Any], name: str) -> tuple[jax.ShapeDtypeStr
 
 
 def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
-                  name: str, remat_policy: Callable[..., bool] | None = None
-                  ) -> tuple[Any, Layout]:
+                  name: str, remat_policy: Callable[..., bool] | None = None,
+                  loose_names: bool = False) -> tuple[Any, Layout]:
   """Traces `fn` once through `jax.vjp`; returns the closed jaxpr and the residual layout.
 
   The jaxpr maps `(*arg_leaves, *keys)` to `[*output_leaves, *kept_residuals]`. `fn` gets
@@ -250,7 +250,7 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
   sources = found["sources"]
   names = kept_names(traced.jaxpr.jaxpr, n_out)
   packing = plan_packing(out_info[n_out:], enabled=_packs(signature),
-                         named=[n is not None for n in names])
+                         named=[loose_names and n is not None for n in names])
   sizes = [math.prod(o.shape) * o.dtype.itemsize for o in out_info[n_out:]]
   buffers = ([offload_lib.Buffer(sizes[i], names[i]) for i in packing.loose]
              + [offload_lib.Buffer(sum(sizes[i] for i in g), None) for g in packing.groups])
@@ -387,7 +387,8 @@ def _backward_fn(layout: Layout, select: tuple[int, ...],
 def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
             offload: offload_lib.Policy | None, name: str,
-            remat_policy: Callable[..., bool] | None = None) -> Executables:
+            remat_policy: Callable[..., bool] | None = None,
+            loose_names: bool = False) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -404,11 +405,13 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       offload runs the executables without offload, and the host moves the buffers).
     name: the callable's name, for errors.
     remat_policy: a `jax.checkpoint` policy choosing the residuals (None: all of `jax.vjp`'s).
+    loose_names: keep the residuals named with `checkpoint_name` out of the packed buffers
+      (offload selects them by name: `make_graphed(..., offload_names=...)`).
   """
   timer = _Timer()
   start = time.perf_counter()
   closed, layout = trace_forward(fn, signature, n_keys=n_keys, name=name,
-                                 remat_policy=remat_policy)
+                                 remat_policy=remat_policy, loose_names=loose_names)
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
   first: ForwardKind = "stream" if n_keys else "explicit"

@@ -35,10 +35,12 @@ class SequentialPullback:
     grads: list[Any] = [None] * (self._steps[-1][1] if self._steps else 0)
     for position in reversed(range(len(self._steps))):
       lo, hi, pullback = self._steps[position]
-      if position:
-        # Async offload: the layer below's residuals come back while this backward computes.
-        self._steps[position - 1][2].prefetch()
       try:
+        # Async offload: this layer's residuals first (at the top), then the layer below's,
+        # which come back while this backward computes.
+        pullback.prefetch()
+        if position:
+          self._steps[position - 1][2].prefetch()
         g_params, cotangent = pullback(cotangent)[:2]  # consts' gradients are dropped
       except BaseException:
         if position < len(self._steps) - 1 or pullback.consumed:

@@ -357,7 +357,8 @@ class GraphedCallable:
                     signature, delay_wgrad=config.delay_wgrad,
                     wgrad_argnums=config.wgrad_argnums),
                 offload=config.offload if cache_key[-1] else None,
-                remat_policy=self._remat_policy, name=self.name)
+                remat_policy=self._remat_policy, name=self.name,
+                loose_names=config.offload.names is not None)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")
@@ -369,6 +370,14 @@ class GraphedCallable:
       else:
         self._counts.cache_hits += 1
     self._entries[signature] = entry
+    names = config.offload.names
+    if self._offload and names is not None and not any(
+        buffer.name in names for buffer in entry.layout.buffers):
+      warnings.warn(
+          f"{self.name}: offload_names={sorted(names)} names no residual this layer keeps, so "
+          "it offloads nothing. Names are read from checkpoint_name calls in the function "
+          "itself (not inside a nested jax.jit); check the spelling, or pass "
+          "offload_names=None to offload every residual.", stacklevel=5)
     if config.offload.mode == "async":
       self._to_host[signature] = self._offloaded(entry)
     return entry
@@ -451,17 +460,17 @@ class GraphedCallable:
       derived, counters = values[n:n + layout.n_keys], values[n + layout.n_keys:]
       values = values[:n]
       inputs = inputs + derived
-      if stream is None:
-        self._advance(counters)
-    if not with_pullback:
-      return (jax.tree.unflatten(layout.out_treedef, values),)
     outs, kept = values[:layout.n_out], values[layout.n_out:]
-    to_host = self._to_host.get(entry.signature, ())
+    to_host = self._to_host.get(entry.signature, ()) if with_pullback else ()
     if to_host:
       # Started now, the copies run while the next layers compute. Nothing holds the device
       # arrays after this call returns; the runtime frees each once its copy has read it.
       for i, array in zip(to_host, offload_lib.start_to_host([kept[i] for i in to_host])):
         kept[i] = array
+    if stream_mode and stream is None:  # the key is spent only once nothing can fail
+      self._advance(counters)
+    if not with_pullback:
+      return (jax.tree.unflatten(layout.out_treedef, values),)
     backward = pullback_lib.ExecutableBackward(
         self, entry, needed_inputs=[inputs[i] for i in layout.needed_inputs],
         needed_outputs=[outs[i] for i in layout.needed_outputs], kept=kept, on_host=to_host,

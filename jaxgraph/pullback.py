@@ -118,12 +118,17 @@ class ExecutableBackward:
   kept: list[Any]
   placements: tuple[tuple[int, Any], ...] = ()
   on_host: tuple[int, ...] = ()
+  # With delay_wgrad, the host arrays the dgrad's prefetch copied back: the wgrad's
+  # residuals wait on the host again in between, as in executable mode.
+  _host_while_dgrad: dict[int, Any] = dataclasses.field(default_factory=dict)
 
   def prefetch(self) -> None:
     """Starts copying the kept arrays in host memory back to the device (once)."""
     if self.on_host:
-      back = offload_lib.start_to_device([self.kept[i] for i in self.on_host])
-      for i, array in zip(self.on_host, back):
+      host = [self.kept[i] for i in self.on_host]
+      if "dgrad" in self.entry.backward:
+        self._host_while_dgrad = dict(zip(self.on_host, host))
+      for i, array in zip(self.on_host, offload_lib.start_to_device(host)):
         self.kept[i] = array
       self.on_host = ()
 
@@ -134,6 +139,8 @@ class ExecutableBackward:
       raise TypeError(f"the cotangent passed to the pullback of {self.owner.name} has "
                       f"structure {ct_treedef}, but the outputs have {layout.out_treedef}.")
     cts = [ct_leaves[i] for i in layout.ct_leaves]
+    if self._mismatched(cts):  # before any residual is copied back for nothing
+      raise self._cotangent_error(cts)
     first_kind, (_, select) = next(iter(entry.backward.items()))
     try:
       values = self._run(first_kind, cts)
@@ -141,6 +148,9 @@ class ExecutableBackward:
       raise self._cotangent_error(cts) from e
     if first_kind == "full":
       return assemble(entry, values, select, None), None
+    for i, array in self._host_while_dgrad.items():  # the device copies go with the dgrad
+      self.kept[i] = array
+    self.on_host, self._host_while_dgrad = tuple(self._host_while_dgrad), {}
     wgrad_select = entry.backward["wgrad"][1]
     argnums = self.owner._config.wgrad_argnums
     dgrad_argnums = tuple(i for i in range(len(arg_ranges(entry.signature.treedef)))
@@ -167,6 +177,14 @@ class ExecutableBackward:
       grads = [placed_as(g, placed[leaf]) if leaf in placed else g
                for leaf, g in zip(self.entry.backward[kind][1], grads)]
     return grads
+
+  def _mismatched(self, cts: list[Any]) -> list[int]:
+    """The output leaves whose cotangent is an array of another shape or dtype (a Python
+    scalar is left to the executable's own check)."""
+    specs = self.entry.layout.out_specs
+    return [i for i, got in zip(self.entry.layout.ct_leaves, cts)
+            if hasattr(got, "shape") and (got.shape, got.dtype) != (specs[i].shape,
+                                                                    specs[i].dtype)]
 
   def _cotangent_error(self, cts: list[Any]) -> TypeError:
     layout = self.entry.layout

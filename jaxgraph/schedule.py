@@ -524,7 +524,10 @@ class Pipeline:
         ct = self._place(cts.pop((c, m)), c)
         chunk_pullbacks = pullbacks.pop((c, m))
         for l in reversed(range(len(chunk_pullbacks))):
-          if l:  # async offload: the next layer's residuals come back during this backward
+          # Async offload: this layer's residuals first (the chunk's top layer), then the next
+          # layer's, which come back during this backward.
+          chunk_pullbacks[l].prefetch()
+          if l:
             chunk_pullbacks[l - 1].prefetch()
           g_params, ct = chunk_pullbacks[l](ct)
           if not self.delay_wgrad:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import pytest
 
 import jaxgraph as jg
@@ -72,3 +73,20 @@ def test_packed_residuals_give_the_grads_of_jax_vjp(packing_here):
       want.insert(0, g_p)
     assert trees_equal((grads, g_x), (want, ct))
     params = [jax.tree.map(lambda a, g: a - 0.1 * g, p, g) for p, g in zip(params, grads)]
+
+
+def named_layer(p, x):
+  h = checkpoint_name(jnp.tanh(x @ p["w1"]), "hidden")
+  return x + jnp.sin(h) @ p["w2"]
+
+
+@pytest.mark.parametrize("offload_names", [None, ["hidden"]])
+def test_named_residuals_stay_loose_only_for_offload_names(packing_here, offload_names):
+  x = jnp.ones((B, D))
+  # The policy saves named values: `hidden` is a kept residual.
+  graphed = jg.make_graphed(named_layer, sample_args=(_params(0), x), num_warmup_iters=0,
+                            remat_policy=jg.residuals.recompute_elementwise,
+                            offload_residuals=offload_names is not None,
+                            offload_names=offload_names)
+  layout = _layout(graphed)
+  assert (layout.packing.loose != ()) == (offload_names is not None)

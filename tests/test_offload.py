@@ -638,3 +638,93 @@ def test_gpu_offload_numerics_bitwise_equal():
   flags = [True, True, False, False]
   offloaded = jg.make_graphed(fns, sample_args=samples, offload_residuals=flags)
   assert trees_equal(_train(offloaded, params, x), _train(plain, params, x))
+
+
+# ------------------------------------------------------------------------------- review fixes
+
+
+def test_async_delay_wgrad_keeps_the_residuals_on_host_until_the_wgrad():
+  # As in executable mode: between the dgrad and the deferred wgrad the residuals wait in
+  # host memory (the dgrad's device copies go with it); the wgrad copies them back again.
+  fns, params, x = _stack(fns=[mlp])
+  ct = jnp.ones((T, D))
+  layer = _make(fns[0], (params[0], x), "async", offload_residuals=True, delay_wgrad=True)
+  plain = jg.make_graphed(fns[0], sample_args=(params[0], x), delay_wgrad=True)
+  _, pullback = layer.vjp(params[0], x)
+  backward = pullback._backward
+  dgrads = pullback(ct)
+  assert {a.sharding.memory_kind for a in backward.kept} == {"pinned_host"}
+  wgrads = pullback.wgrad()
+  _, plain_pullback = plain.vjp(params[0], x)
+  assert trees_equal((dgrads, wgrads), (plain_pullback(ct), plain_pullback.wgrad()))
+
+
+def test_the_top_layer_copies_back_before_the_layer_below():
+  fns, params, x = _stack(fns=[mlp] * 3)
+  layers = _make(fns, [(p, x) for p in params], "async", offload_residuals=True,
+                 num_warmup_iters=0)
+  y, pullback = jg.sequential_vjp(layers, params, x)
+  copied = []  # layers in the order their copies back start
+  for i, (_, _, layer_pullback) in enumerate(pullback._steps):
+    backward = layer_pullback._backward
+
+    def prefetch(i=i, backward=backward, start=backward.prefetch):
+      if backward.on_host:
+        copied.append(i)
+      start()
+
+    backward.prefetch = prefetch
+  pullback(jnp.ones_like(y))
+  assert copied == [2, 1, 0]
+
+
+def test_a_failed_prefetch_fails_the_sequential_pullback_part_way(monkeypatch):
+  fns, params, x = _stack(fns=[mlp] * 3)
+  layers = _make(fns, [(p, x) for p in params], "async", offload_residuals=True,
+                 num_warmup_iters=0)
+  y, pullback = jg.sequential_vjp(layers, params, x)
+  calls = []
+
+  def failing(arrays):
+    calls.append(1)
+    if len(calls) == 3:
+      raise RuntimeError("out of memory (injected)")
+    return [jax.device_put(a, a.sharding.with_memory_kind("device")) for a in arrays]
+
+  monkeypatch.setattr(offload_lib, "start_to_device", failing)
+  with pytest.raises(RuntimeError, match="injected"):
+    pullback(jnp.ones_like(y))
+  with pytest.raises(RuntimeError, match="failed part-way"):
+    pullback(jnp.ones_like(y))
+
+
+def test_a_failed_copy_to_host_spends_no_key(monkeypatch):
+  fns, params, x = _stack(fns=[dropout_mlp])
+  layer = _make(fns[0], (params[0], x), "async", offload_residuals=True, rng=True)
+
+  def failing(arrays):
+    raise RuntimeError("pinned host memory exhausted (injected)")
+
+  monkeypatch.setattr(offload_lib, "start_to_host", failing)
+  before = (layer.rng_counter, layer.stats.replays)
+  with pytest.raises(RuntimeError, match="injected"):
+    layer.vjp(params[0], x)
+  assert (layer.rng_counter, layer.stats.replays) == before
+
+
+def test_a_bad_cotangent_copies_nothing_back():
+  fns, params, x = _stack(fns=[mlp])
+  layer = _make(fns[0], (params[0], x), "async", offload_residuals=True)
+  _, pullback = layer.vjp(params[0], x)
+  with pytest.raises(TypeError, match="does not match its outputs"):
+    pullback(jnp.ones((T + 1, D)))
+  assert set(_held_kinds(pullback)) == {"pinned_host"}
+  assert pullback(jnp.ones((T, D)))  # and it still runs
+
+
+def test_offload_names_that_name_nothing_warn():
+  fns, params, x = _stack(fns=[mlp])
+  with pytest.warns(UserWarning, match="names no residual"):
+    layer = _make(fns[0], (params[0], x), "async", offload_residuals=True,
+                  offload_names=["nope"])
+  assert layer.stats.offload_bytes == 0
