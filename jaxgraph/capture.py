@@ -13,7 +13,7 @@ import dataclasses
 import math
 import time
 import warnings
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Collection, Literal, Sequence
 
 import jax
 import jax.extend as jex
@@ -72,13 +72,13 @@ class Packing:
 
 
 def plan_packing(kept: Sequence[Any], *, enabled: bool,
-                 named: Sequence[bool] = ()) -> Packing:
+                 loose: Collection[int] = ()) -> Packing:
   """Groups the small kept residuals by dtype; weak-typed and key-typed ones stay loose (a
-  flat buffer would drop their type), as do `named` ones (offload selects them by name) and
-  a group of one."""
+  flat buffer would drop their type), as do those at positions `loose` (named residuals
+  offload selects by name) and a group of one."""
   by_dtype: dict[Any, list[int]] = {}
   for i, aval in enumerate(kept):
-    if (enabled and not aval.weak_type and not (i < len(named) and named[i])
+    if (enabled and not aval.weak_type and i not in loose
         and not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
         and math.prod(aval.shape) * aval.dtype.itemsize <= PACK_MAX_BYTES):
       by_dtype.setdefault(aval.dtype, []).append(i)
@@ -249,8 +249,9 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
   out_specs = _output_specs(out_info[:n_out], name)
   sources = found["sources"]
   names = kept_names(traced.jaxpr.jaxpr, n_out)
-  packing = plan_packing(out_info[n_out:], enabled=_packs(signature),
-                         named=[loose_names and n is not None for n in names])
+  packing = plan_packing(
+      out_info[n_out:], enabled=_packs(signature),
+      loose={i for i, n in enumerate(names) if n is not None} if loose_names else ())
   sizes = [math.prod(o.shape) * o.dtype.itemsize for o in out_info[n_out:]]
   buffers = ([offload_lib.Buffer(sizes[i], names[i]) for i in packing.loose]
              + [offload_lib.Buffer(sum(sizes[i] for i in g), None) for g in packing.groups])

@@ -158,13 +158,12 @@ class GraphedCallable:
     their first layer.
     """
     last = next(reversed(self._entries.values()), None)
-    if last is None:
-      return self._counts.snapshot(
-          [segment._counts for segment in self._led_segments()], 0, 0)
-    offloaded = self._offloaded(last)
+    residual_bytes = offload_bytes = 0
+    if last is not None:
+      residual_bytes = last.residual_bytes
+      offload_bytes = sum(last.layout.buffers[i].nbytes for i in self._offloaded(last))
     return self._counts.snapshot([segment._counts for segment in self._led_segments()],
-                                 last.residual_bytes,
-                                 sum(last.layout.buffers[i].nbytes for i in offloaded))
+                                 residual_bytes, offload_bytes)
 
   def reset(self) -> None:
     """Drops this callable's executables, and those of fused segments it belongs to; its

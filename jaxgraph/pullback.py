@@ -139,8 +139,8 @@ class ExecutableBackward:
       raise TypeError(f"the cotangent passed to the pullback of {self.owner.name} has "
                       f"structure {ct_treedef}, but the outputs have {layout.out_treedef}.")
     cts = [ct_leaves[i] for i in layout.ct_leaves]
-    if self._mismatched(cts):  # before any residual is copied back for nothing
-      raise self._cotangent_error(cts)
+    if self.on_host and self._mismatched(cts, arrays_only=True):
+      raise self._cotangent_error(cts)  # before any residual is copied back for nothing
     first_kind, (_, select) = next(iter(entry.backward.items()))
     try:
       values = self._run(first_kind, cts)
@@ -178,24 +178,27 @@ class ExecutableBackward:
                for leaf, g in zip(self.entry.backward[kind][1], grads)]
     return grads
 
-  def _mismatched(self, cts: list[Any]) -> list[int]:
-    """The output leaves whose cotangent is an array of another shape or dtype (a Python
-    scalar is left to the executable's own check)."""
+  def _mismatched(self, cts: list[Any], *, arrays_only: bool = False
+                  ) -> list[tuple[int, Any, Any]]:
+    """(output leaf, shape, dtype) of each cotangent whose shape or dtype is not its
+    output's; `arrays_only` leaves Python scalars to the executable's own check."""
     specs = self.entry.layout.out_specs
-    return [i for i, got in zip(self.entry.layout.ct_leaves, cts)
-            if hasattr(got, "shape") and (got.shape, got.dtype) != (specs[i].shape,
-                                                                    specs[i].dtype)]
+    found = []
+    for i, got in zip(self.entry.layout.ct_leaves, cts):
+      shape, dtype = getattr(got, "shape", None), getattr(got, "dtype", type(got))
+      if (shape, dtype) != (specs[i].shape, specs[i].dtype) and (
+          shape is not None or not arrays_only):
+        found.append((i, shape, dtype))
+    return found
 
   def _cotangent_error(self, cts: list[Any]) -> TypeError:
     layout = self.entry.layout
     lines = []
     paths = sig_lib.leaf_paths(layout.out_treedef, "cotangents")
-    for i, got in zip(layout.ct_leaves, cts):
+    for i, got_shape, got_dtype in self._mismatched(cts):
       want = layout.out_specs[i]
-      got_shape, got_dtype = getattr(got, "shape", None), getattr(got, "dtype", type(got))
-      if (got_shape, got_dtype) != (want.shape, want.dtype):
-        lines.append(f"{paths[i]}: expected {want.dtype}{list(want.shape)}, got "
-                     f"{got_dtype}{list(got_shape) if got_shape is not None else ''}")
+      lines.append(f"{paths[i]}: expected {want.dtype}{list(want.shape)}, got "
+                   f"{got_dtype}{list(got_shape) if got_shape is not None else ''}")
     detail = "\n".join(lines) or "(shapes and dtypes match; the sharding differs)"
     return TypeError(f"the cotangent passed to the pullback of {self.owner.name} does not "
                      f"match its outputs:\n{detail}\nA cotangent has the shape and dtype of "
