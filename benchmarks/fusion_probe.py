@@ -156,8 +156,8 @@ def llama_case(name: str, setup: llama_breakdown.Setup, preset: str) -> Case:
 
 
 def _median_spread(values: Sequence[float]) -> dict[str, float]:
-  median = statistics.median(values)
-  return dict(median=median, spread_pct=100 * (max(values) - min(values)) / median)
+  median, spread_pct = llama_breakdown.median_spread(list(values))
+  return dict(median=median, spread_pct=spread_pct)
 
 
 def host_us(case: Case, samples: int = 7) -> dict[str, float]:

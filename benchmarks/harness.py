@@ -38,21 +38,33 @@ def run_child(script: str, args: list[str], timeout: float) -> dict[str, Any]:
   return json.loads(lines[-1])
 
 
-def parse_args(description: str, variants: Sequence[str], json_name: str) -> argparse.Namespace:
-  """The command line of a memory-and-time benchmark (`--tiny`: size tiny, default attention)."""
+def argument_parser(description: str, variants: Sequence[str], json_name: str, *,
+                    reps: int = 5, children: Sequence[str] = ("memory", "time")
+                    ) -> argparse.ArgumentParser:
+  """The flags every memory-and-time benchmark takes; a benchmark adds its own to it."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--size", default="medium", choices=sorted(gpt.SIZES))
   parser.add_argument("--tiny", action="store_true", help="CPU smoke run (size tiny)")
   parser.add_argument("--attention", default="cudnn", help="'cudnn', 'xla' or 'default'")
   parser.add_argument("--variants", nargs="+", default=list(variants))
   parser.add_argument("--iters", type=int, default=3)
-  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--reps", type=int, default=reps)
   parser.add_argument("--out", default=None, help=f"folder for {json_name}")
-  parser.add_argument("--child", choices=("memory", "time"), help=argparse.SUPPRESS)
+  parser.add_argument("--child", choices=tuple(children), help=argparse.SUPPRESS)
+  return parser
+
+
+def parsed(parser: argparse.ArgumentParser) -> argparse.Namespace:
+  """The parsed command line; `--tiny` means size tiny with the default attention."""
   args = parser.parse_args()
   if args.tiny:
     args.size, args.attention = "tiny", "default"
   return args
+
+
+def parse_args(description: str, variants: Sequence[str], json_name: str) -> argparse.Namespace:
+  """The command line of a memory-and-time benchmark with no flags of its own."""
+  return parsed(argument_parser(description, variants, json_name))
 
 
 def drive(script: str, args: argparse.Namespace, size: Any,

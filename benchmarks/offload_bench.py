@@ -62,6 +62,7 @@ import numpy as np
 
 import gpt
 import harness
+import profile_replay
 import jaxgraph as jg
 from jaxgraph import offload as offload_lib
 
@@ -336,13 +337,8 @@ def overlap_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _covered(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
   """How much of [start, end) the union of `intervals` covers."""
-  clipped = sorted((max(s, start), min(e, end)) for s, e in intervals if s < end and e > start)
-  covered, reach = 0.0, start
-  for s, e in clipped:
-    if e > reach:
-      covered += e - max(s, reach)
-      reach = e
-  return covered
+  return profile_replay.union_us(
+      sorted((max(s, start), min(e, end)) for s, e in intervals if s < end and e > start))
 
 
 # -------------------------------------------------------------------------- child: anchor
@@ -404,13 +400,9 @@ def anchor(args: argparse.Namespace, size: gpt.Size, name: str, *,
 
 
 def parse_args() -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--size", default="medium", choices=sorted(gpt.SIZES))
-  parser.add_argument("--tiny", action="store_true", help="CPU smoke run (size tiny)")
-  parser.add_argument("--attention", default="cudnn", help="'cudnn', 'xla' or 'default'")
-  parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
-  parser.add_argument("--iters", type=int, default=3)
-  parser.add_argument("--reps", type=int, default=3)
+  parser = harness.argument_parser(__doc__.splitlines()[0], VARIANTS,
+                                   "offload_bench.json and the trace", reps=3,
+                                   children=("plan", "memory", "time", "anchor"))
   parser.add_argument("--no-remat", action="store_true", help="keep every residual")
   parser.add_argument("--max-slowdown", type=float, default=0.10, help="for async-plan")
   parser.add_argument("--link-mib", type=int, default=512, help="copy size timed for the plan")
@@ -418,13 +410,7 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--parallel", type=int, default=3, help="memory children at once")
   parser.add_argument("--deadline", type=float, default=340.0,
                       help="seconds after which the parent skips the steps left")
-  parser.add_argument("--out", default=None, help="folder for offload_bench.json and the trace")
-  parser.add_argument("--child", choices=("plan", "memory", "time", "anchor"),
-                      help=argparse.SUPPRESS)
-  args = parser.parse_args()
-  if args.tiny:
-    args.size, args.attention = "tiny", "default"
-  return args
+  return harness.parsed(parser)
 
 
 def child_args(args: argparse.Namespace, child: str, variants: list[str]) -> list[str]:
