@@ -327,7 +327,7 @@ def run_jax(size: gpt.Size, names: list[str], attention: str | None, iters: int,
 
 def timing(config: dict[str, Any]) -> None:
   """The JAX variants of every size, timed in this process; prints JSON lines."""
-  attention = config["attention"] or ("cudnn" if jax.default_backend() == "gpu" else None)
+  attention = gpt.default_attention(config["attention"])
   print(json.dumps(dict(meta=dict(machine(), attention=attention))), flush=True)
   _warm_libraries(attention)
   for size_name in config["sizes"]:

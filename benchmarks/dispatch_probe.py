@@ -52,7 +52,7 @@ def main() -> None:
   parser.add_argument("--out", default=".")
   args = parser.parse_args()
   size = gpt.SIZES[args.size]
-  attention = "cudnn" if jax.default_backend() == "gpu" else None
+  attention = gpt.default_attention()
   variant = bench.build("jaxgraph", size, attention)
   layers, params = variant.layers, variant.state
   x = gpt.init_input(size)

@@ -376,7 +376,7 @@ def main() -> None:
   args = parser.parse_args()
   if args.tiny:
     args.sizes, args.llama, args.iters, args.reps, args.trace_steps = ["tiny"], "tiny", 1, 3, 1
-  attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else None)
+  attention = gpt.default_attention(args.attention)
   meta = dict(bench.machine(), attention=attention, command=" ".join(sys.argv),
               xla_flags=os.environ.get("XLA_FLAGS", ""))
   print(json.dumps(dict(meta=meta)), flush=True)

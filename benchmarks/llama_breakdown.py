@@ -42,6 +42,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples" / "llama"), str(ROOT / "examples")]
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import capture as capture_lib  # noqa: E402
+import gpt  # noqa: E402
 import train  # noqa: E402
 from common import CORPUS, Corpus  # noqa: E402
 from model import Config, Llama  # noqa: E402
@@ -82,7 +83,7 @@ def setup(preset_name: str, flat: bool) -> Setup:
   config = Config(vocab=len(corpus.chars), width=preset.width, depth=preset.depth,
                   heads=preset.heads, kv_heads=preset.kv_heads, hidden=preset.hidden,
                   dropout=preset.dropout, attention=preset.attention
-                  if jax.default_backend() == "gpu" else None)
+                  if gpt.default_attention() == "cudnn" else None)
   fns, params = train.split(Llama(config, rngs=nnx.Rngs(params=0)))
   if flat:
     params = [jg.flat.ravel(p, group=train.flat_group) for p in params]

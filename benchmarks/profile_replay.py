@@ -139,7 +139,7 @@ def main() -> None:
   parser.add_argument("--sample-seconds", type=float, default=0.0,
                       help="then replay each jaxgraph variant this long under py-spy --native")
   args = parser.parse_args()
-  attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else None)
+  attention = gpt.default_attention(args.attention)
   size = gpt.SIZES[args.size]
   variants = [bench.build(name, size, attention) for name in args.variants]
   for v in variants:

@@ -141,7 +141,7 @@ def main() -> None:
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   size = gpt.SIZES[args.size]
-  attention = "cudnn" if jax.default_backend() == "gpu" else None
+  attention = gpt.default_attention()
   built = {}
   for name in args.variants:
     start = time.perf_counter()

@@ -25,6 +25,11 @@ from jaxgraph import signature as sig_lib
 
 _ON_NEW_SIGNATURE = ("capture", "error")
 
+# The platforms where `per_layer_executables=None` means True. XLA:GPU's command buffers
+# re-record when one executable is called with other buffers (`capture.loaded_copy`); on
+# other backends a copy per layer gains nothing.
+PER_LAYER_PLATFORMS = frozenset({"gpu"})
+
 
 def _as_callables(fns: Callable[..., Any] | Sequence[Callable[..., Any]]
                   ) -> tuple[list[Callable[..., Any]], bool]:
@@ -335,9 +340,9 @@ def _seed(rng: Any) -> jax.Array | None:
 
 
 def _check_per_layer_executables(value: Any) -> bool:
-  """None means: on where the default backend is a GPU."""
+  """None means: on where the default backend is one of `PER_LAYER_PLATFORMS`."""
   if value is None:
-    return jax.default_backend() == "gpu"
+    return jax.default_backend() in PER_LAYER_PLATFORMS
   return _check_bool("per_layer_executables", value)
 
 

@@ -1,4 +1,5 @@
-"""Test setup: the platform, 8 virtual CPU devices, and the `gpu` / `devices` markers.
+"""Test setup: the platform, 8 virtual CPU devices, the `gpu` / `devices` markers, and the
+fixtures that force a platform gate either way (`platform_gate`, `packing`).
 
 One command runs the suite on any machine: `python -m pytest`. Before jax is imported
 (after that its platform and XLA_FLAGS are fixed) this file decides where the tests run:
@@ -24,6 +25,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from typing import Any
 
 
 def _cuda_usable() -> bool:
@@ -59,6 +61,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxgraph import capture as capture_lib  # noqa: E402
 from models import devices_for  # noqa: E402
 
 _CACHE_ENV = "JAXGRAPH_TEST_COMPILATION_CACHE"
@@ -129,3 +132,24 @@ def _on_marked_devices(request):
     return
   with jax.default_device(devices[0]):
     yield
+
+
+@pytest.fixture
+def platform_gate(monkeypatch):
+  """Forces a platform gate either way on the backend the tests run on, so both sides of a
+  behaviour that depends on the platform run in the CPU suite (docs/reliability.md,
+  "Platform gates"). A gate is a module's frozenset of the platforms where the behaviour is
+  on: `platform_gate(capture_lib, "PACK_PLATFORMS", True)` packs residuals here too."""
+  def force(module: Any, name: str, on: bool) -> None:
+    platforms, here = getattr(module, name), jax.default_backend()
+    monkeypatch.setattr(module, name, platforms | {here} if on else platforms - {here})
+  return force
+
+
+@pytest.fixture(params=[False, True], ids=["unpacked", "packed"])
+def packing(request, platform_gate) -> bool:
+  """Both sides of the residual packing gate (`capture.PACK_PLATFORMS`, read by
+  `capture._packs`); the test gets the side it runs on. A test of one side takes
+  `@pytest.mark.parametrize("packing", [True], indirect=True)`."""
+  platform_gate(capture_lib, "PACK_PLATFORMS", request.param)
+  return request.param

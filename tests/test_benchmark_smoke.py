@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -116,3 +118,18 @@ def test_offload_bench_variant_names():
   assert bench.parse_variant("exe-all", 2).mode == "executable"
   assert bench.parse_variant("async-min64", 2).min_bytes == 64 << 20
   assert bench.parse_variant("async-names", 2).names == ("matmul_input",)
+
+
+@pytest.mark.parametrize("cudnn", [False, True], ids=["xla", "cudnn"])
+def test_default_attention_follows_the_backend(platform_gate, cudnn):
+  """Both sides of the benchmarks' attention gate, forced here (conftest.py). Only the
+  choice: cuDNN attention itself does not compile for XLA:CPU."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import gpt
+  finally:
+    sys.path.pop(0)
+  assert gpt.CUDNN_PLATFORMS == {"gpu"}
+  platform_gate(gpt, "CUDNN_PLATFORMS", cudnn)
+  assert gpt.default_attention() == ("cudnn" if cudnn else None)
+  assert gpt.default_attention("xla") == "xla"

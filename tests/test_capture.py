@@ -32,30 +32,27 @@ def _layout(graphed):
   return entry.layout
 
 
-def test_residuals_are_packed_only_on_pack_platforms():
+def test_residuals_are_packed_by_default_on_gpu_only():
+  assert capture_lib.PACK_PLATFORMS == {"gpu"}
+
+
+def test_residuals_are_packed_only_on_pack_platforms(packing):
+  """Both sides of the gate, forced on the backend the tests run on (conftest.py)."""
   x = jnp.ones((B, D))
   graphed = jg.make_graphed(layer, sample_args=(_params(0), x), rng=True, num_warmup_iters=0)
   layout = _layout(graphed)
   kept = len(layout.packing.shapes)
   assert kept > 2
-  packed = jax.devices()[0].platform in capture_lib.PACK_PLATFORMS
-  assert (layout.n_kept < kept) == packed
+  assert (layout.n_kept < kept) == packing
 
 
-@pytest.fixture
-def packing_here(monkeypatch):
-  """Packing on this backend too (on the CPU it is exact for `layer`, not for every model)."""
-  monkeypatch.setattr(capture_lib, "PACK_PLATFORMS",
-                      capture_lib.PACK_PLATFORMS | {jax.devices()[0].platform})
-
-
-def test_packed_residuals_give_the_grads_of_jax_vjp(packing_here):
+def test_residuals_give_the_grads_of_jax_vjp_packed_or_not(packing):
   params = [_params(i) for i in range(3)]
   x = jax.random.normal(jax.random.key(7), (B, D))
   layers = jg.make_graphed([layer] * 3, sample_args=[(p, x) for p in params], rng=True,
                            num_warmup_iters=1)
   layout = _layout(layers[0])
-  assert layout.n_kept < len(layout.packing.shapes) and layout.packing.groups
+  assert bool(layout.packing.groups) == packing
   forward = jax.jit(lambda p, x, k: jax.vjp(lambda p, x: layer(p, x, key=k), p, x))
   backward = jax.jit(lambda vjp_fn, ct: vjp_fn(ct))
   for step in range(3):
@@ -81,7 +78,10 @@ def named_layer(p, x):
 
 
 @pytest.mark.parametrize("offload_names", [None, ["hidden"]])
-def test_named_residuals_stay_loose_only_for_offload_names(packing_here, offload_names):
+def test_named_residuals_stay_loose_only_for_offload_names(packing, offload_names):
+  """With offload_names a named residual is a buffer of its own, so a name selects exactly
+  it; without, names do not matter: where residuals are packed it packs like the others,
+  elsewhere every residual is a buffer of its own anyway."""
   x = jnp.ones((B, D))
   # The policy saves named values: `hidden` is a kept residual.
   graphed = jg.make_graphed(named_layer, sample_args=(_params(0), x), num_warmup_iters=0,
@@ -89,4 +89,9 @@ def test_named_residuals_stay_loose_only_for_offload_names(packing_here, offload
                             offload_residuals=offload_names is not None,
                             offload_names=offload_names)
   layout = _layout(graphed)
-  assert (layout.packing.loose != ()) == (offload_names is not None)
+  names = [b.name for b in layout.buffers]
+  assert len(layout.packing.shapes) == 2  # `hidden` and the first matmul's output
+  if packing and offload_names is None:
+    assert names == [None]  # one packed buffer
+  else:
+    assert sorted(names, key=str) == [None, "hidden"]

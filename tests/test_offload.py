@@ -381,7 +381,7 @@ def _save_named(prim, *avals, **params):
 
 
 @MODES
-def test_offload_by_checkpoint_name(mode):
+def test_offload_by_checkpoint_name(mode, packing):
   fns, params, x = _stack(fns=[named_mlp] * 2)
   samples = [(p, x) for p in params]
   layers = _make(fns, samples, mode, offload_residuals=True, offload_names=["hidden"],
@@ -397,10 +397,21 @@ def test_offload_by_checkpoint_name(mode):
   assert trees_equal(_train(layers, params, x), _train(plain, params, x))
 
 
-def test_checkpoint_names_are_found_without_a_policy():
+def test_checkpoint_names_are_found_without_a_policy(packing):
+  """Without a remat_policy (what `jax.vjp` saves) a named residual is found and offloaded
+  alone, whether the residuals travel packed or not (tests/test_capture.py: without
+  offload_names it packs like the others)."""
   fns, params, x = _stack(fns=[named_mlp])
-  layer = jg.make_graphed(fns[0], sample_args=(params[0], x))
-  assert [b.name for b in _entry(layer).layout.buffers].count("hidden") == 1
+  layer = jg.make_graphed(fns[0], sample_args=(params[0], x), offload_residuals=True,
+                          offload_names=["hidden"])
+  buffers = _entry(layer).layout.buffers
+  named = [b.name == "hidden" for b in buffers]
+  assert named.count(True) == 1 and len(buffers) > 1
+  # The others travel packed where packing is on.
+  assert (len(buffers) < len(_entry(layer).layout.packing.shapes)) == packing
+  _, pullback = layer.vjp(params[0], x)
+  assert [k == "pinned_host" for k in _held_kinds(pullback)] == named
+  assert layer.stats.offload_bytes == T * H * 4
 
 
 def wide_and_narrow(p, x):
