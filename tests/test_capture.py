@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import pytest
 
 import jaxgraph as jg
@@ -44,6 +45,15 @@ def test_residuals_are_packed_only_on_pack_platforms(packing):
   kept = len(layout.packing.shapes)
   assert kept > 2
   assert (layout.n_kept < kept) == packing
+
+
+@pytest.mark.parametrize("packing", [True], indirect=True)
+def test_placed_arguments_keep_residuals_unpacked(packing):
+  """Even where residuals pack: a flat buffer needs one layout on one device."""
+  placed = NamedSharding(Mesh(jax.devices()[:1], ("d",)), P())
+  params, x = jax.device_put((_params(0), jnp.ones((B, D))), placed)
+  graphed = jg.make_graphed(layer, sample_args=(params, x), rng=True, num_warmup_iters=0)
+  assert _layout(graphed).packing.groups == ()
 
 
 def test_residuals_give_the_grads_of_jax_vjp_packed_or_not(packing):

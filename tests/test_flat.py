@@ -133,7 +133,7 @@ def test_training_matches_pytree_path_and_jit_vjp_bitwise(optimizer, fuse):
   assert [l.stats.captures for l in flat_layers][1:] == [0] * (DEPTH - 1)
 
 
-def test_slices_are_recomputed_not_kept_as_residuals():
+def test_slices_are_recomputed_not_kept_as_residuals(packing):
   params, x = _params(1)[0], _x()
   key = jax.random.key(0)
   tree_layer = jg.make_graphed(mixed_dropout_mlp, sample_args=(params, x), rng=True,
