@@ -1,10 +1,14 @@
-"""The docs stay true: api.md is generated from the docstrings, links resolve."""
+"""The docs stay true: api.md is generated from the docstrings, links resolve, the README's
+example stays short. (The python blocks of README.md and docs/ run as tests: conftest.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import pathlib
 import re
+
+from sybil import Document
+from sybil.parsers.markdown import CodeBlockParser
 
 import jaxgraph
 
@@ -31,3 +35,10 @@ def test_markdown_links_resolve():
       if target.startswith(("http://", "https://")):
         continue
       assert (md.parent / target).exists(), f"{md.name} links to missing {target}"
+
+
+def test_readme_usage_example_is_short():
+  """The README's usage block (conftest.py runs it, with the docs) fits on one screen."""
+  document = Document.parse(str(ROOT / "README.md"), CodeBlockParser("python"))
+  usage = next(document.examples()).parsed
+  assert len(usage.strip().splitlines()) <= 20

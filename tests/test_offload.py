@@ -8,8 +8,6 @@ these tests check the plumbing and the numerics. The `gpu` tests check the compi
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -566,28 +564,6 @@ def test_measure_link_reports_positive_speeds():
 
 
 # ------------------------------------------------------------------------------- warmup hooks
-
-
-def _docs_example(name: str) -> str:
-  """The python block after `<!-- example: name -->` in docs/offload.md."""
-  path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "offload.md")
-  with open(path) as f:
-    text = f.read()
-  start = text.index("```python\n", text.index(f"<!-- example: {name} -->")) + len("```python\n")
-  return text[start:text.index("```", start)]
-
-
-def test_docs_warmup_hooks_example():
-  namespace: dict = {}
-  exec(compile(_docs_example("warmup-hooks"), "docs/offload.md", "exec"), namespace)
-  ledger, layers = namespace["ledger"], namespace["layers"]
-  assert namespace["on_host_before_backward"] == [0, 1]
-  assert ledger.on_host == set()
-  phases = {phase for _, phase, _ in ledger.log}
-  assert phases == {"capture", "replay"}  # the warmup hooks paused it for the warmup
-  assert [kind for kind, phase, _ in ledger.log if phase == "replay"] == [
-      "offload", "offload", "reload", "reload"]
-  assert [layer.stats.offload_bytes > 0 for layer in layers] == [True, True, False, False]
 
 
 def test_trace_time_flag_flipped_by_warmup_hooks_does_not_reach_executables():
