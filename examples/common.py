@@ -58,8 +58,10 @@ def earlier_run(out: pathlib.Path) -> list[str]:
   finished, is nothing to keep)."""
   steps = sorted(int(p.name) for p in (out / "checkpoints").glob("*")
                  if p.name.isdigit() and p.is_dir())
-  found = [f"checkpoints of step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}"] if steps else []
-  return found + [name for name in OUTPUTS[1:] if (out / name).exists()]
+  found = [name for name in OUTPUTS[1:] if (out / name).exists()]
+  if steps:
+    found.insert(0, f"checkpoints of step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}")
+  return found
 
 
 def check_out(parser: argparse.ArgumentParser, out: pathlib.Path, *, resume: bool,
@@ -496,7 +498,10 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
                  f"{directory}: pass a later --stop-after")
   saved = meta.get("config", {})
   ours, theirs = shown(config), shown(saved)
-  show = lambda value: value if isinstance(value, str) else repr(value)
+
+  def show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
   differ = [f"--{name.replace('_', '-')} {show(ours.get(name))} (the checkpoint's run: "
             f"{show(theirs.get(name))})" for name in sorted(config.keys() | saved.keys())
             if config.get(name) != saved.get(name)]
@@ -537,9 +542,8 @@ def progress_bar(steps: range, *, total: int) -> Any:
 
   class StepBar(tqdm):
     """Counts each step as it starts. tqdm's own iteration counts only when it redraws (at
-    most once a second), so a postfix or a line written between redraws showed the count of
-    the last redraw: 0 through a run shorter than a second, or whose steps wait on the device
-    in rounds."""
+    most once a second), so a postfix set between redraws showed the count of the last one
+    (0/12 through a whole tiny Llama run)."""
 
     def __iter__(self) -> Iterator[int]:
       for step in self.iterable:
