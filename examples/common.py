@@ -1,6 +1,6 @@
-"""What the training examples share: their run options, the corpus, key-stream positions,
-verified Orbax checkpoints that hold them with the run's config and loss history, atomic
-JSON writes, the progress bar, a params digest, the loss plot.
+"""What the training examples share: their run options and the checks of `--out`, the corpus,
+key-stream positions, verified Orbax checkpoints that hold them with the run's config and
+loss history, atomic JSON writes, the progress bar, a params digest, the loss plot.
 
 Used by examples/train_gpt.py and examples/llama/train.py.
 """
@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import pathlib
+import shlex
 import shutil
 import sys
+import tempfile
 import warnings
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+import weakref
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, NoReturn, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +35,98 @@ import jaxgraph.rng
 
 
 def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentParser:
-  """The options every training example takes: a preset, the steps, and stop / resume."""
+  """The options every training example takes: a preset, the steps, and stop / resume /
+  start afresh."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--preset", choices=sorted(presets), default="cpu")
   parser.add_argument("--steps", type=int, help="total steps (default: the preset's)")
   parser.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  parser.add_argument("--fresh", action="store_true",
+                      help="start a new run in an --out that holds an earlier one: its "
+                           "checkpoints and outputs are moved to OUT/earlier-N/ (kept)")
   return parser
+
+
+# What a run writes in --out, each moved aside together by --fresh.
+OUTPUTS = ("checkpoints", "checkpoints-rejected", "metrics.json", "loss.png")
+
+
+def earlier_run(out: pathlib.Path) -> list[str]:
+  """What an earlier run left in `out`: its checkpoint steps, the steps a resume rejected,
+  metrics.json, loss.png (an empty `checkpoints/`, or one holding only a step Orbax never
+  finished, is nothing to keep)."""
+  steps = sorted(int(p.name) for p in (out / "checkpoints").glob("*")
+                 if p.name.isdigit() and p.is_dir())
+  found = [name for name in OUTPUTS[1:] if (out / name).exists()]
+  if steps:
+    found.insert(0, f"checkpoints of step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}")
+  return found
+
+
+def check_out(parser: argparse.ArgumentParser, out: pathlib.Path, *, resume: bool,
+              fresh: bool) -> None:
+  """`--out` before anything is built (argparse errors): it and its `checkpoints/` are
+  directories that can be created and written to (so that the first save cannot fail on
+  them after the steps were trained), and one holding an earlier run is refused unless
+  `--resume` continues it or `--fresh` moves it aside. Creates both directories."""
+  if resume and fresh:
+    parser.error("--resume continues the run in --out and --fresh starts a new one: pass one "
+                 "of them")
+  for path in (out, out / "checkpoints"):
+    if path.exists() and not path.is_dir():
+      parser.error(f"--out: {path} is a file, not a directory: pass an --out that is a "
+                   "directory or does not exist yet")
+    try:
+      path.mkdir(parents=True, exist_ok=True)
+      with tempfile.TemporaryFile(dir=path):
+        pass
+    except OSError as e:
+      parser.error(f"--out: cannot write to {path} ({e.strerror or e}): pass an --out you "
+                   "can write to")
+  found = earlier_run(out)
+  if found and not (resume or fresh):
+    parser.error(f"--out {out} holds an earlier run ({'; '.join(found)}): pass --resume to "
+                 f"continue it, --fresh to start afresh (it is moved to {aside(out)}, not "
+                 "deleted), or another --out")
+
+
+def aside(out: pathlib.Path) -> pathlib.Path:
+  """Where `--fresh` moves an earlier run: the first `out/earlier-N` that does not exist."""
+  n = 1
+  while (out / f"earlier-{n}").exists():
+    n += 1
+  return out / f"earlier-{n}"
+
+
+def move_aside(out: pathlib.Path) -> pathlib.Path | None:
+  """`--fresh`: moves an earlier run's outputs in `out` (`OUTPUTS`) to `aside(out)`, which
+  `--out` can resume; returns it, or None if there was nothing to move."""
+  if not earlier_run(out):
+    return None
+  found = [out / name for name in OUTPUTS if (out / name).exists()]
+  destination = aside(out)
+  destination.mkdir()
+  for path in found:
+    path.rename(destination / path.name)
+  return destination
+
+
+def resume_command(script: str, argv: Sequence[str]) -> str:
+  """The command that continues the run `script` started with `argv`: the same flags
+  without --stop-after and --fresh, with --resume."""
+  flags, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+    elif arg == "--stop-after":
+      skip = True
+    elif not (arg.startswith("--stop-after=") or arg in ("--fresh", "--resume")):
+      flags.append(arg)
+  path = pathlib.Path(script).absolute()
+  with contextlib.suppress(ValueError):  # shown from the working directory where it is below it
+    path = path.relative_to(pathlib.Path.cwd())
+  return shlex.join(["python", str(path), *flags, "--resume"])
 
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
@@ -152,28 +242,56 @@ class Checkpoints:
   """
 
   @classmethod
-  def for_run(cls, out: pathlib.Path, *, resume: bool,
+  def for_run(cls, out: pathlib.Path, *, fresh: bool, command: str,
               host: Callable[[Any], Any] | None = None) -> "Checkpoints":
-    """The checkpoints of a run writing to `out`; without `resume`, an earlier run's are
-    removed first (the run starts afresh; by process 0, the others wait for it)."""
-    directory = out / "checkpoints"
-    if not resume and directory.exists() and jax.process_index() == 0:
-      print(f"starting afresh: removing the checkpoints of an earlier run in {out} "
-            "(pass --resume to continue it)")
-      shutil.rmtree(directory)
+    """The checkpoints of a run writing to `out` (`check_out` checked it); with `fresh`, an
+    earlier run's outputs are moved aside first (by process 0, the others wait for it).
+    `command` continues the run: messages about a failed write name it."""
+    if fresh and jax.process_index() == 0:
+      moved = move_aside(out)
+      if moved is not None:
+        print(f"--fresh: the earlier run in {out} moved to {moved} (kept: --out {moved} "
+              "--resume continues it; delete it when you no longer need it)")
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("examples.common.Checkpoints.for_run")
-    return cls(directory, host=host)
+    return cls(out / "checkpoints", host=host, command=command)
 
-  def __init__(self, directory: pathlib.Path, *, host: Callable[[Any], Any] | None = None):
+  def __init__(self, directory: pathlib.Path, *, host: Callable[[Any], Any] | None = None,
+               command: str | None = None):
     self.directory = directory.absolute()
     self._host = host or (lambda tree: tree)
+    self.command = command
     self.rejected = self.directory.parent / "checkpoints-rejected"
     self._open()
 
   def _open(self) -> None:
     self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         max_to_keep=2, enable_async_checkpointing=False))
+    self.saved = self.manager.latest_step()  # the newest step on disk
+
+  def _stop(self, failed: str, error: BaseException) -> NoReturn:
+    """Ends the run with one message (below the progress bar, closed first): what could not
+    be written and why, the last step saved, and the command that continues from it."""
+    reason = _reason(error)
+    if self.saved is None:
+      where = "No step is saved yet"
+    else:
+      where = f"The last step saved is {self.saved} ({self.directory / str(self.saved)})"
+    fix = ("free space on its disk" if "No space left on device" in reason
+           else "when that is fixed")
+    for bar in list(_BARS):
+      bar.close()
+    sys.exit(f"{failed}: {reason}. {where}; {fix}, continue with: "
+             f"{self.command or 'the same command and --resume'}")
+
+  @contextlib.contextmanager
+  def writing(self, path: pathlib.Path) -> Iterator[None]:
+    """Around writing an output beside the checkpoints (metrics.json, loss.png): a failure
+    (a full disk) ends the run with one message that names `path` and the last step saved."""
+    try:
+      yield
+    except OSError as e:
+      self._stop(f"could not write {path}", e)
 
   @staticmethod
   def _tree(params: Any, opt_state: Any, streams: Streams) -> dict[str, Any]:
@@ -189,12 +307,18 @@ class Checkpoints:
     state's digests, in one Orbax step."""
     tree = self._tree(params, opt_state, streams)
     meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
-    saved = self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+    try:
+      with _orbax_errors_held():
+        saved = self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # a full disk (tensorstore's ValueError), OSError, ...
+      _quiet_closed_loops()
+      self._stop(f"could not save checkpoint step {step} in {self.directory}", e)
     if not saved:
       raise RuntimeError(f"Orbax skipped saving step {step}: {self.directory} already holds "
-                         f"step {self.manager.latest_step()}. Resume with --resume, or remove "
-                         "the directory to start afresh.")
+                         f"step {self.manager.latest_step()}. Continue it with --resume, or "
+                         "start afresh with --fresh (it is moved aside, not deleted).")
+    self.saved = step
 
   def latest_meta(self) -> tuple[int, dict[str, Any]] | None:
     """The newest step whose metadata reads, and that metadata (arrays not read or checked:
@@ -242,7 +366,8 @@ class Checkpoints:
     if failures:
       raise NoCheckpoint(f"no checkpoint in {self.directory} restores intact: "
                          + "; ".join(f"step {step} {problem}" for step, problem in failures)
-                         + ". Start afresh without --resume (the steps are left in place).")
+                         + ". The steps are left in place: start afresh with --fresh "
+                         "instead of --resume (they are moved aside, not deleted)")
     return None
 
   def _check(self, step: int, target: dict[str, Any]) -> Restored | str:
@@ -251,8 +376,8 @@ class Checkpoints:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     except Exception as e:  # tensorstore, JSON, missing items: one line is enough
-      first = (str(e).strip().splitlines() or [""])[0]
-      return f"cannot be read ({type(e).__name__}: {first[:200]})"
+      _quiet_closed_loops()
+      return f"cannot be read ({_reason(e)})"
     state, meta = restored["state"], dict(restored["meta"])
     expected = meta.get("digests")
     if not isinstance(expected, dict):
@@ -279,24 +404,83 @@ class Checkpoints:
     return destination
 
 
+def _reason(error: BaseException) -> str:
+  """The first line of the innermost cause of `error`, with its type: Orbax wraps
+  tensorstore's errors (the reason) in its own, whose text holds a `<bound method ...>`."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  first = (str(error).strip().splitlines() or [""])[0]
+  return f"{type(error).__name__}: {first}"
+
+
+def _quiet_closed_loops() -> None:
+  """After an Orbax read or write failed part-way: its other tensorstore reads and writes
+  finish later and call back into the event loop Orbax ran them in, closed by then, and
+  each prints a "RuntimeError: Event loop is closed" traceback (through
+  `sys.unraisablehook`), as do its coroutines never awaited when the interpreter exits.
+  Drops those; any other unraisable exception goes on to the hook set before."""
+  previous = sys.unraisablehook
+  if getattr(previous, "quiets_closed_loops", False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    value = unraisable.exc_value
+    if (isinstance(value, RuntimeError) and str(value) == "Event loop is closed") or (
+        isinstance(value, ImportError) and "Python is likely shutting down" in str(value)):
+      return
+    previous(unraisable)
+
+  hook.quiets_closed_loops = True
+  sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _orbax_errors_held() -> Iterator[None]:
+  """Holds Orbax's error log records (absl, with tracebacks: logged by its writer threads
+  before the failure reaches the caller) while inside; they go out only if no exception
+  does, which names the reason itself."""
+  logger, held = logging.getLogger("absl"), []
+
+  def hold(record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR:
+      held.append(record)
+      return False
+    return True
+
+  logger.addFilter(hold)
+  try:
+    yield
+  finally:
+    logger.removeFilter(hold)
+  for record in held:
+    logger.handle(record)
+
+
 def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
   """Writes `value` as JSON to `path` atomically: a temporary file renamed over it, so a
   kill or a full disk leaves the old file or the new one, never a partial one."""
   temporary = path.with_name(f".{path.name}.tmp")
-  with open(temporary, "w") as f:
-    json.dump(value, f, **options)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temporary, path)
+  try:
+    with open(temporary, "w") as f:
+      json.dump(value, f, **options)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(temporary, path)
+  except BaseException:
+    temporary.unlink(missing_ok=True)
+    raise
 
 
 def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dict[str, Any],
-                 steps: int, stop: int) -> None:
+                 steps: int, stop: int,
+                 shown: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> None:
   """With --resume: refuses (`parser.error`) a checkpoint past `steps`, or one saved by a
   run whose config differs from `config` (names the flags that differ).
 
   `config` maps flag names (`dropout`, `plain_ends`, ...) to values; it is what `save`'s
-  metadata holds under "config". Reads metadata only, before anything is built.
+  metadata holds under "config". `shown` gives the values a config stands for, as the
+  message shows them (a None saved for the preset's batch: that batch). Reads metadata
+  only, before anything is built.
   """
   directory = out / "checkpoints"
   if not directory.is_dir():
@@ -307,19 +491,24 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
   step, meta = latest
   if step > steps:
     parser.error(f"the checkpoint in {directory} is at step {step}, past --steps {steps}: "
-                 f"pass --steps {step} or more to continue it, or drop --resume to start "
-                 "afresh")
+                 f"pass --steps {step} or more to continue it, or --fresh instead of --resume "
+                 "to start afresh (the checkpoints are moved aside, not deleted)")
   if step >= stop and stop < steps:
     parser.error(f"--stop-after {stop} is not after the checkpoint's step {step} in "
                  f"{directory}: pass a later --stop-after")
   saved = meta.get("config", {})
-  differ = [f"--{name.replace('_', '-')} {config.get(name)!r} (the checkpoint's run: "
-            f"{saved.get(name)!r})" for name in sorted(config.keys() | saved.keys())
+  ours, theirs = shown(config), shown(saved)
+
+  def show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+  differ = [f"--{name.replace('_', '-')} {show(ours.get(name))} (the checkpoint's run: "
+            f"{show(theirs.get(name))})" for name in sorted(config.keys() | saved.keys())
             if config.get(name) != saved.get(name)]
   if differ:
     parser.error(f"--resume with a config other than that of the checkpoint in {directory}: "
                  + ", ".join(differ) + ". Pass the checkpoint's flags to continue it, or "
-                 "another --out (or no --resume) for a new run")
+                 "another --out for a new run")
 
 
 class LogLines:
@@ -350,9 +539,26 @@ def progress_bar(steps: range, *, total: int) -> Any:
     from tqdm import tqdm
   except ImportError:
     return LogLines(steps)
-  return tqdm(steps, initial=steps.start - 1, total=total, desc="train", unit="step",
-              mininterval=1.0, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt}"
-              " [{elapsed}<{remaining}{postfix}]")
+
+  class StepBar(tqdm):
+    """Counts each step as it starts. tqdm's own iteration counts only when it redraws (at
+    most once a second), so a postfix set between redraws showed the count of the last one
+    (0/12 through a whole tiny Llama run)."""
+
+    def __iter__(self) -> Iterator[int]:
+      for step in self.iterable:
+        self.update()
+        yield step
+
+  bar = StepBar(steps, initial=steps.start - 1, total=total, desc="train", unit="step",
+                mininterval=1.0, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                "{n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+  _BARS.add(bar)
+  return bar
+
+
+# The bars open: a run that ends on a failed write closes them before its message.
+_BARS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def params_digest(params: Any) -> str:

@@ -1,11 +1,11 @@
 """Train a small character-level GPT (Flax NNX, Optax AdamW) with every layer graphed.
 
   python examples/train_gpt.py                        # CPU default: a few minutes on 2 cores
-  python examples/train_gpt.py --preset gpu           # a larger model on one GPU
+  python examples/train_gpt.py --preset gpu --out runs/gpt-gpu   # a larger model on one GPU
   python examples/train_gpt.py --preset tiny --steps 20 --out /tmp/gpt    # seconds
-  python examples/train_gpt.py --stop-after 300       # "interrupted" after step 300 ...
-  python examples/train_gpt.py --resume               # ... continues bitwise identically
-  python examples/train_gpt.py --check                # also runs the steps under one jax.jit
+  python examples/train_gpt.py --stop-after 300 --out runs/gpt-300   # "interrupted" ...
+  python examples/train_gpt.py --out runs/gpt-300 --resume  # ... continues bitwise identically
+  python examples/train_gpt.py --check --fresh        # a new run in runs/gpt, + one jax.jit
 
 The model is split into layers (embedding, N transformer blocks, head + loss), each turned
 into a pure function by `jaxgraph.flax.nnx_layer` and captured by one `jaxgraph.make_graphed`
@@ -15,7 +15,8 @@ replay-time hook times every layer's forward and backward on the logged steps. C
 position, the loss history and a digest of every array, so a resumed run continues exactly
 where the interrupted one stopped, from the newest checkpoint that is intact. Progress: a
 tqdm bar (log lines without tqdm). Outputs in `--out`: `loss.png`, `metrics.json`,
-`checkpoints/`.
+`checkpoints/`. An `--out` that holds an earlier run is refused unless `--resume` continues
+it or `--fresh` moves it to `--out`/earlier-N/ (nothing is deleted).
 
 The text is examples/data/corpus.txt (self-written fables, see make_corpus.py).
 
@@ -44,9 +45,9 @@ from flax import nnx
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-from common import (CORPUS, Checkpoints, Corpus, Streams, check_resume,
-                    params_digest, plot, progress_bar, run_parser, stream_keys,
-                    stream_positions, write_json)
+from common import (CORPUS, Checkpoints, Corpus, Streams, check_out, check_resume,
+                    params_digest, plot, progress_bar, resume_command, run_parser,
+                    stream_keys, stream_positions, write_json)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
@@ -312,6 +313,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   for name in ("seed", "sample"):
     if getattr(args, name) < 0:
       parser.error(f"--{name} takes a number >= 0, got {getattr(args, name)}")
+  check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   if args.resume:
     total = args.steps or PRESETS[args.preset].steps
     check_resume(parser, args.out, run_config(args), total, min(total, args.stop_after or total))
@@ -320,12 +322,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse(argv)
+  command = resume_command(__file__, sys.argv[1:] if argv is None else argv)
   preset = PRESETS[args.preset]
   total = args.steps or preset.steps
   stop = min(total, args.stop_after or total)
-  args.out.mkdir(parents=True, exist_ok=True)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}: {len(jax.devices())} device(s); "
-        f"preset {args.preset}: {preset}")
+        f"preset {args.preset}: {dataclasses.replace(preset, steps=total)}")
 
   corpus = Corpus(CORPUS, preset.context, preset.batch, args.seed)
   model = GPT(len(corpus.chars), preset, rngs=nnx.Rngs(params=args.seed, dropout=args.seed))
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   # like params).
   update = make_update(tx).lower(params, opt_state, params).compile()
 
-  checkpoints = Checkpoints.for_run(args.out, resume=args.resume)
+  checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command)
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []
   if args.resume:
@@ -402,7 +404,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if save:
       checkpoints.save(step, params, opt_state, stream_positions(layers),
                        {"config": run_config(args), "losses": losses})
-      write_json(metrics_path, {"step": step, "losses": losses})
+      with checkpoints.writing(metrics_path):
+        write_json(metrics_path, {"step": step, "losses": losses})
     if log:
       mark, mark_step = time.perf_counter(), step  # checkpoint time is not training time
   bar.close()
@@ -437,13 +440,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "GEMM algorithms); training then amplifies the last-bit differences. Per layer "
             "the math is bitwise the same (tests/test_flax.py).")
 
-  plot(losses, args.out / "loss.png", f"char GPT ({args.preset}), graphed per layer")
-  write_json(metrics_path, result, indent=1)
+  with checkpoints.writing(args.out / "loss.png"):
+    plot(losses, args.out / "loss.png", f"char GPT ({args.preset}), graphed per layer")
+  with checkpoints.writing(metrics_path):
+    write_json(metrics_path, result, indent=1)
   print(f"final loss {result['final_loss']:.4f} after step {stop}; "
         f"{result['tokens_per_second'] or 0:,.0f} tok/s; wrote {args.out / 'loss.png'}, "
         f"{metrics_path}, {checkpoints.directory}")
   if args.sample:
     print("sample:\n" + sample(model, params, corpus, args.sample, args.seed))
+  if stop < total:
+    print(f"stopped after step {stop} of {total} (--stop-after); continue with: {command}")
   return result
 
 

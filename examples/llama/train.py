@@ -6,6 +6,7 @@
                                                               # whole-step jax.jit of the model
   PYTHONPATH=. python examples/llama/train.py --preset gpu-1b # ~1B params on one 80 GB GPU
   ... --stop-after 40, then the same command with --resume    # bitwise the uninterrupted run
+  ... --fresh           # a new run in an --out that holds one (moved to OUT/earlier-N/)
   ... --check           # the same steps under one whole-step jax.jit, compared and timed
   ... --whole-step      # the same training loop through one whole-step jax.jit instead
   ... --rounds 5 --round-steps 40   # how tokens/s is measured (steady-state rounds)
@@ -35,6 +36,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import pathlib
 import re
 import statistics
@@ -42,22 +44,27 @@ import sys
 import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+# Before jax starts a GPU: it reserves 75% of the GPU's memory by default, and gpu-1b's
+# --check (on by default) peaks at about 64 GB, over the 60 GB that leaves of 80
+# (docs/llama.md#gpu-1b-a-1b-parameter-preset). A value set in the environment is kept.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-import jaxgraph as jg
-import jaxgraph.rng
-from jaxgraph import fsdp
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import jaxgraph as jg  # noqa: E402
+import jaxgraph.rng  # noqa: E402
+from jaxgraph import fsdp  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # examples/common.py
 from common import (CORPUS, Checkpoints, Corpus, Streams,  # noqa: E402
-                    check_resume, params_digest, plot, progress_bar, run_parser,
-                    stream_positions, write_json)
+                    check_out, check_resume, params_digest, plot, progress_bar,
+                    resume_command, run_parser, stream_positions, write_json)
 from model import Cache, Config, Llama  # noqa: E402
 
 # --residuals: the graphed layers' `make_graphed(..., remat_policy=...)`.
@@ -1001,7 +1008,8 @@ def write_sample(model: Llama, fns: Sequence[Callable[..., Any]], params: Params
 def resolve(args: argparse.Namespace) -> Preset:
   """The preset with the flags that override it."""
   return dataclasses.replace(PRESETS[args.preset], **{
-      name: value for name, value in (("dropout", args.dropout),
+      name: value for name, value in (("steps", args.steps),
+                                       ("dropout", args.dropout),
                                        ("microbatches", args.microbatches),
                                        ("batch", args.batch),
                                        ("attention", args.attention),
@@ -1014,12 +1022,20 @@ def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
   compared by --resume (how tokens/s is measured, --check and generation are left out).
   `fsdp` and `batch` are None where not given (the batch: the preset's), as in checkpoints
   written before those flags, which therefore still resume."""
-  return {"preset": args.preset, "steps": args.steps or preset.steps, "seed": args.seed,
+  return {"preset": args.preset, "steps": preset.steps, "seed": args.seed,
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
           "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
           "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch,
           "fuse": True if args.fuse else None}  # None when off, as before the flag
+
+
+def shown_config(config: dict[str, Any]) -> dict[str, Any]:
+  """What a `run_config` stands for, as --resume's refusal shows it: the preset's batch
+  where none was given, "off" for --fsdp and --fuse not given."""
+  preset = PRESETS.get(config.get("preset"))
+  return {**config, "batch": config.get("batch") or (preset.batch if preset else None),
+          "fsdp": config.get("fsdp") or "off", "fuse": config.get("fuse") or "off"}
 
 
 def check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -1141,23 +1157,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if preset.attention == "cudnn" and args.dtype != "bfloat16":
     parser.error("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
                  "--attention xla")
+  check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   check_fsdp(parser, args, preset)
   if args.resume:
-    total = args.steps or preset.steps
-    check_resume(parser, args.out, run_config(args, preset), total,
-                 min(total, args.stop_after or total))
+    check_resume(parser, args.out, run_config(args, preset), preset.steps,
+                 min(preset.steps, args.stop_after or preset.steps), shown=shown_config)
   return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse(argv)
+  command = resume_command(__file__, sys.argv[1:] if argv is None else argv)
   preset = resolve(args)
   check = (preset.check and not args.whole_step) if args.check is None else args.check
-  total = args.steps or preset.steps
+  total = preset.steps
   stop = min(total, args.stop_after or total)
   graph_ends = not args.plain_ends
   mode = "whole-step jax.jit" if args.whole_step else "graphed"
-  args.out.mkdir(parents=True, exist_ok=True)
   mesh = fsdp_mesh(args.fsdp)
   writer = jax.process_index() == 0  # metrics.json and loss.png: one process writes them
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; preset {args.preset}: {preset}")
@@ -1239,7 +1255,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if placement.mesh is not None:
     sharded = fsdp_report(placement, trainer, params, opt_state, corpus, positions, count)
 
-  checkpoints = Checkpoints.for_run(args.out, resume=args.resume, host=placement.host)
+  checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
+                                    host=placement.host)
   metrics_path = args.out / "metrics.json"
   first, losses, eval_losses = 0, [], []
   if args.resume:
@@ -1288,7 +1305,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       checkpoints.save(step, params, opt_state, trainer.streams(),
                        {"config": run_config(args, preset), **history})
       if writer:
-        write_json(metrics_path, {"step": step, **history})  # for reading; resume needs not
+        with checkpoints.writing(metrics_path):  # for reading; resume needs it not
+          write_json(metrics_path, {"step": step, **history})
     timer.start()
   bar.close()
 
@@ -1346,11 +1364,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if placement.mesh is not None:
     result["fsdp"] = sharded
   if losses and writer:
-    plot(losses, args.out / "loss.png",
-         f"Llama ({args.preset}), {'whole-step jax.jit' if args.whole_step else 'blocks graphed'}",
-         eval_losses)
+    with checkpoints.writing(args.out / "loss.png"):
+      plot(losses, args.out / "loss.png", f"Llama ({args.preset}), "
+           f"{'whole-step jax.jit' if args.whole_step else 'blocks graphed'}", eval_losses)
   if writer:
-    write_json(metrics_path, result, indent=1)
+    with checkpoints.writing(metrics_path):
+      write_json(metrics_path, result, indent=1)
 
   if args.generate:
     # One sequence: generated on one device (per process), from the params gathered whole.
@@ -1358,8 +1377,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         graph_ends, min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
     if writer:
-      write_json(metrics_path, result, indent=1)
+      with checkpoints.writing(metrics_path):
+        write_json(metrics_path, result, indent=1)
   print(f"wrote {args.out / 'loss.png'}, {metrics_path}, {checkpoints.directory}")
+  if stop < total:
+    print(f"stopped after step {stop} of {total} (--stop-after); continue with: {command}")
   return result
 
 
