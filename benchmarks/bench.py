@@ -47,7 +47,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -61,8 +60,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import gpt  # noqa: E402
 import jaxgraph as jg  # noqa: E402
+from benchmarks import gpt, harness  # noqa: E402
 from jaxgraph import capture as capture_lib  # noqa: E402
 from jaxgraph import residuals  # noqa: E402
 
@@ -124,6 +123,11 @@ class Variant:
   executables: int  # executables replayed per step
   layers: Any = None  # the GraphedCallables, for their stats
 
+  def advance(self) -> Any:
+    """Enqueues one step; returns the new state."""
+    self.state = self.step(self.state)
+    return self.state
+
 
 def _compile(fn: Callable[..., Any], *args: Any, donate: tuple[int, ...] = ()) -> Any:
   return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
@@ -156,8 +160,7 @@ def build(name: str, size: gpt.Size, attention: str | None, layers: int | None =
   else:
     variant = _build_jaxgraph(spec, block, params, x0, count)
   variant.name = name
-  variant.state = variant.step(variant.state)
-  jax.block_until_ready(variant.state)
+  jax.block_until_ready(variant.advance())
   variant.capture_s = time.perf_counter() - start
   return variant
 
@@ -261,15 +264,13 @@ def _build_jit(spec: Spec, block: Callable[..., Any], params: list[Any], x0: jax
                  executables=1)
 
 
-def _run_steps(variant: Variant, iters: int) -> float:
+def run_steps(variant: Variant, iters: int) -> float:
   """Milliseconds per step over `iters` steps, the device drained before and after."""
   jax.block_until_ready(variant.state)
   start = time.perf_counter()
-  state = variant.state
   for _ in range(iters):
-    state = variant.step(state)
-  jax.block_until_ready(state)
-  variant.state = state
+    variant.advance()
+  jax.block_until_ready(variant.state)
   return 1e3 * (time.perf_counter() - start) / iters
 
 
@@ -279,29 +280,20 @@ def _host_us(variant: Variant, samples: int) -> float:
   for _ in range(samples):
     jax.block_until_ready(variant.state)
     start = time.perf_counter()
-    variant.state = variant.step(variant.state)
+    variant.advance()
     times.append(time.perf_counter() - start)
   jax.block_until_ready(variant.state)
   return 1e6 * statistics.median(times)
 
 
 def time_interleaved(variants: list[Variant], iters: int, reps: int) -> dict[str, list[float]]:
-  """`reps` rounds; each round times every variant once, the order reversed every round."""
+  """Milliseconds per step of each variant in `reps` interleaved rounds of `iters` steps."""
   for v in variants:
-    _run_steps(v, 3)
-  times: dict[str, list[float]] = {v.name: [] for v in variants}
-  for rep in range(reps):
-    for v in (variants if rep % 2 == 0 else variants[::-1]):
-      times[v.name].append(_run_steps(v, iters))
-  return times
+    run_steps(v, 3)
+  return harness.interleaved(reps, {v.name: lambda v=v: run_steps(v, iters) for v in variants})
 
 
-def _peak_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats()
-  return stats.get("peak_bytes_in_use") if stats else None
-
-
-def _warm_libraries(attention: str | None) -> None:
+def warm_libraries(attention: str | None) -> None:
   """Initialises cuBLAS / cuDNN handles once, so the first variant built does not pay it."""
   q = jnp.ones((1, 8, 1, 16), gpt.DTYPE)
   jax.block_until_ready((q[0, :, 0] @ q[0, :, 0].T,
@@ -327,9 +319,9 @@ def run_jax(size: gpt.Size, names: list[str], attention: str | None, iters: int,
 
 def timing(config: dict[str, Any]) -> None:
   """The JAX variants of every size, timed in this process; prints JSON lines."""
-  attention = gpt.default_attention(config["attention"])
-  print(json.dumps(dict(meta=dict(machine(), attention=attention))), flush=True)
-  _warm_libraries(attention)
+  attention = harness.attention(config["attention"])
+  print(json.dumps(dict(meta=dict(harness.machine(), attention=attention))), flush=True)
+  warm_libraries(attention)
   for size_name in config["sizes"]:
     for record in run_jax(gpt.SIZES[size_name], config["variants"], attention, config["iters"],
                           config["reps"]):
@@ -343,12 +335,13 @@ def probe(config: dict[str, Any]) -> dict[str, Any]:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   size = gpt.SIZES[config["size"]]
-  _warm_libraries(config["attention"])
+  warm_libraries(config["attention"])
   variant = build(config["variant"], size, config["attention"], config.get("layers"))
   for _ in range(2):
-    variant.state = variant.step(variant.state)
+    variant.advance()
   jax.block_until_ready(variant.state)
-  return dict(capture_s=variant.capture_s, peak_bytes=_peak_bytes(),
+  peak = (harness.device_memory() or {}).get("peak_bytes_in_use")
+  return dict(capture_s=variant.capture_s, peak_bytes=peak,
               compile_s=sum(layer.stats.compile_seconds for layer in variant.layers)
               if variant.layers else None)
 
@@ -373,24 +366,6 @@ def torch_available() -> str | None:
   check = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
                          capture_output=True, text=True, check=False)
   return None if check.stdout.strip() == "True" else "torch sees no CUDA device"
-
-
-def _summary(times: list[float]) -> dict[str, float]:
-  median = statistics.median(times)
-  return dict(median=median, min=min(times), max=max(times),
-              spread_pct=100 * (max(times) - min(times)) / median)
-
-
-def machine() -> dict[str, Any]:
-  info = dict(jax=jax.__version__, python=platform.python_version(),
-              device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform)
-  try:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=True, timeout=30)
-    info["nvidia_smi"] = smi.stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    pass
-  return info
 
 
 def print_table(records: list[dict[str, Any]], capture: dict[str, Any]) -> None:
@@ -450,10 +425,7 @@ def main() -> None:
   parser.add_argument("--sizes", nargs="+", default=["small", "medium"], choices=list(gpt.SIZES))
   parser.add_argument("--tiny", action="store_true", help="tiny sizes on any backend (CI)")
   parser.add_argument("--variants", nargs="+", default=list(JAX_VARIANTS + TORCH_VARIANTS))
-  parser.add_argument("--iters", type=int, default=20, help="steps per timed round")
-  parser.add_argument("--reps", type=int, default=5, help="timed rounds per variant")
-  parser.add_argument("--attention", default=None,
-                      help="dot_product_attention implementation; default cudnn on GPU")
+  harness.add_timing_flags(parser, iters=20, reps=5)
   parser.add_argument("--no-probes", action="store_true",
                       help="skip the fresh-process capture / memory / cache measurements")
   parser.add_argument("--capture-sizes", nargs="*", default=None,
@@ -511,7 +483,7 @@ def main() -> None:
                                           full[0]["capture_s"] if full else None)
   for r in records:
     r.setdefault("capture_s", r.get("capture_s_in_process", 0.0))
-    r["step"] = _summary(r["step_ms"])
+    r["step"] = harness.summary(r["step_ms"])
   for r in records:
     reference = (parse_variant(r["variant"]).reference if r["framework"] == "jax"
                  else "jit-unrolled")

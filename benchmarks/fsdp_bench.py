@@ -23,17 +23,16 @@ median per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-import gpt
-import harness
 import jaxgraph as jg
+from benchmarks import gpt, harness
 from jaxgraph import capture as capture_lib
 from jaxgraph import fsdp
 
@@ -135,24 +134,20 @@ def measure_time(size: gpt.Size, variants: list[str], attention: str | None, ite
   """Both variants in this process, alternated: median seconds per step."""
   setups = {v: build(size, v, attention, warmup=1) for v in variants}
   params = {v: setups[v].step(setups[v].params, 0) for v in variants}
-  times: dict[str, list[float]] = {v: [] for v in variants}
-  for rep in range(reps):
-    for v in (variants if rep % 2 == 0 else variants[::-1]):
-      params[v] = jax.block_until_ready(setups[v].step(params[v], 0))
-      start = time.perf_counter()
-      for i in range(iters):
-        params[v] = setups[v].step(params[v], i)
-      jax.block_until_ready(params[v])
-      times[v].append((time.perf_counter() - start) / iters)
+
+  def step(v: str, index: int) -> list[Any]:
+    params[v] = setups[v].step(params[v], index)
+    return params[v]
+
+  times = harness.interleaved(reps, {
+      v: lambda v=v: harness.seconds_per_step(functools.partial(step, v), iters)
+      for v in variants})
   return dict(kind="time", iters=iters, reps=reps,
               step_s={v: statistics.median(t) for v, t in times.items()}, step_s_all=times)
 
 
-def _mib(value: float | None) -> str:
-  return "-" if value is None else f"{value / 2 ** 20:,.2f}"
-
-
 def report(results: dict[str, Any]) -> str:
+  mib = functools.partial(harness.mib, places=2)
   memory = {r["variant"]: r for r in results["memory"] if "variant" in r}
   step_s = results.get("time", {}).get("step_s", {})
   lines = ["variant   peak MiB  compiled temp MiB (per device)   step ms",
@@ -160,22 +155,22 @@ def report(results: dict[str, Any]) -> str:
   for v in results["variants"]:
     m, t = memory.get(v, {}), step_s.get(v)
     a = m.get("analysis", {})
-    temp = (f"fwd {_mib(a['forward']['temp'])} / bwd {_mib(a['backward']['temp'])} per layer"
-            if "forward" in a else f"step {_mib(a['step']['temp'])}" if "step" in a else "-")
-    lines.append(f"{v:<8}  {_mib(m.get('peak_after_steps')):>8}  {temp:<29}   "
+    temp = (f"fwd {mib(a['forward']['temp'])} / bwd {mib(a['backward']['temp'])} per layer"
+            if "forward" in a else f"step {mib(a['step']['temp'])}" if "step" in a else "-")
+    lines.append(f"{v:<8}  {mib(m.get('peak_after_steps')):>8}  {temp:<29}   "
                  f"{t * 1e3 if t else float('nan'):>7.1f}")
   g = memory.get("graphed", {})
   if "analysis" in g:
-    lines.append(f"sharded weights {_mib(g['sharded_weight_bytes'])} MiB per device, one "
-                 f"gathered layer {_mib(g['gathered_layer_bytes'])} MiB, residuals per layer "
-                 f"{_mib(g['analysis']['forward']['output'])} MiB per device")
+    lines.append(f"sharded weights {mib(g['sharded_weight_bytes'])} MiB per device, one "
+                 f"gathered layer {mib(g['gathered_layer_bytes'])} MiB, residuals per layer "
+                 f"{mib(g['analysis']['forward']['output'])} MiB per device")
   return "\n".join(lines)
 
 
 def main() -> None:
   args = harness.parse_args(__doc__.splitlines()[0], VARIANTS, "fsdp_bench.json")
   size = gpt.SIZES[args.size]
-  attention = None if args.attention == "default" else args.attention
+  attention = harness.attention(args.attention)
   results = harness.drive(
       __file__, args, size, lambda v: measure_memory(size, v, attention),
       lambda: measure_time(size, args.variants, attention, args.iters, args.reps),

@@ -18,17 +18,6 @@ LR = 1e-3
 DROPOUT = 0.1
 # The platforms whose default attention is cuDNN's fused kernel; elsewhere XLA's (cuDNN
 # attention does not compile for XLA:CPU).
-CUDNN_PLATFORMS = frozenset({"gpu"})
-
-
-def default_attention(given: str | None = None) -> str | None:
-  """`given` (an `--attention` flag), else "cudnn" where the default backend is one of
-  `CUDNN_PLATFORMS` and None (XLA's attention) elsewhere."""
-  if given:
-    return given
-  return "cudnn" if jax.default_backend() in CUDNN_PLATFORMS else None
-
-
 @dataclasses.dataclass(frozen=True)
 class Size:
   """One model size: width, heads, sequence length, batch and depth."""

@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: device memory readings and one-process-per-measurement,
-and the command line and driver of the memory-and-time benchmarks (fsdp, offload)."""
+"""What the benchmark scripts share: the machine and its device memory, rounds and their
+medians, the command line, and one process per measurement with the driver of the
+memory-and-time benchmarks (fsdp, offload). Traces and profiles: `profiling.py`."""
 
 from __future__ import annotations
 
@@ -8,13 +9,30 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
-from typing import Any, Callable, Sequence
+import time
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import jax
 
-import gpt
+from benchmarks import gpt
+
+T = TypeVar("T")
+
+
+def machine() -> dict[str, Any]:
+  """jax and Python versions, the device, and the GPU driver where nvidia-smi answers."""
+  info = dict(jax=jax.__version__, python=platform.python_version(),
+              device=jax.devices()[0].device_kind, platform=jax.devices()[0].platform)
+  try:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True, timeout=30)
+    info["nvidia_smi"] = smi.stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return info
 
 
 def device_memory() -> dict[str, int] | None:
@@ -24,6 +42,96 @@ def device_memory() -> dict[str, int] | None:
   if not all(stats):
     return None
   return {k: max(int(s[k]) for s in stats) for k in ("bytes_in_use", "peak_bytes_in_use")}
+
+
+def interleaved(rounds: int, runs: Mapping[str, Callable[[], T]]) -> dict[str, list[T]]:
+  """Calls every run once a round for `rounds` rounds, the order reversed every other round
+  (no run always goes first); each run's results in round order."""
+  names = list(runs)
+  results: dict[str, list[T]] = {name: [] for name in names}
+  for index in range(rounds):
+    for name in (names if index % 2 == 0 else names[::-1]):
+      results[name].append(runs[name]())
+  return results
+
+
+def seconds_per_step(step: Callable[[int], Any], iters: int) -> float:
+  """Seconds per call of `step(i)` over `iters` calls, after an untimed `step(0)` that the
+  device finishes first."""
+  jax.block_until_ready(step(0))
+  start = time.perf_counter()
+  for i in range(iters):
+    out = step(i)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / iters
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+  """Median, min, max, and the spread (max - min) in percent of the median."""
+  median = statistics.median(values)
+  spread = 100 * (max(values) - min(values)) / median if median else 0.0
+  return dict(median=median, min=min(values), max=max(values), spread_pct=spread)
+
+
+def mib(value: float | None, places: int) -> str:
+  """Bytes as MiB with `places` decimals, `-` for none."""
+  return "-" if value is None else f"{value / 2 ** 20:,.{places}f}"
+
+
+def add_attention_flag(parser: argparse.ArgumentParser) -> None:
+  """Adds `--attention`, which `attention` reads."""
+  parser.add_argument("--attention", default=None,
+                      help="dot_product_attention's implementation: 'cudnn', 'xla' or 'default' "
+                      "(jax's choice); unset, cudnn on a GPU and jax's choice elsewhere")
+
+
+def add_timing_flags(parser: argparse.ArgumentParser, *, iters: int, reps: int) -> None:
+  """Adds `--iters` and `--reps` (the rounds) and `--attention`."""
+  parser.add_argument("--iters", type=int, default=iters, help="steps per timed round")
+  parser.add_argument("--reps", type=int, default=reps, help="timed rounds per variant")
+  add_attention_flag(parser)
+
+
+# Where an unset --attention means cuDNN's attention (it does not compile for XLA:CPU).
+CUDNN_PLATFORMS = frozenset({"gpu"})
+
+
+def attention(flag: str | None) -> str | None:
+  """The `implementation=` of `jax.nn.dot_product_attention` that `--attention` names:
+  unset, cuDNN's where the default backend is one of `CUDNN_PLATFORMS`, else jax's choice;
+  "default", jax's choice."""
+  if flag is None:
+    return "cudnn" if jax.default_backend() in CUDNN_PLATFORMS else None
+  return None if flag == "default" else flag
+
+
+def argument_parser(description: str, variants: Sequence[str], json_name: str, *,
+                    reps: int = 5, children: Sequence[str] = ("memory", "time")
+                    ) -> argparse.ArgumentParser:
+  """The flags every memory-and-time benchmark takes; a benchmark adds its own to it."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--size", default="medium", choices=sorted(gpt.SIZES))
+  parser.add_argument("--tiny", action="store_true", help="CPU smoke run (size tiny)")
+  parser.add_argument("--variants", nargs="+", default=list(variants))
+  add_timing_flags(parser, iters=3, reps=reps)
+  parser.add_argument("--out", default=None, help=f"folder for {json_name}")
+  parser.add_argument("--child", choices=tuple(children), help=argparse.SUPPRESS)
+  return parser
+
+
+def parsed(parser: argparse.ArgumentParser) -> argparse.Namespace:
+  """The parsed command line, `--attention` named (children are passed it); `--tiny` means
+  size tiny with jax's choice of attention."""
+  args = parser.parse_args()
+  if args.tiny:
+    args.size, args.attention = "tiny", "default"
+  args.attention = args.attention or ("cudnn" if jax.default_backend() == "gpu" else "default")
+  return args
+
+
+def parse_args(description: str, variants: Sequence[str], json_name: str) -> argparse.Namespace:
+  """The command line of a memory-and-time benchmark with no flags of its own."""
+  return parsed(argument_parser(description, variants, json_name))
 
 
 def run_child(script: str, args: list[str], timeout: float) -> dict[str, Any]:
@@ -36,35 +144,6 @@ def run_child(script: str, args: list[str], timeout: float) -> dict[str, Any]:
   if out.returncode != 0 or not lines:
     return dict(args=args, error=out.stderr[-4000:], returncode=out.returncode)
   return json.loads(lines[-1])
-
-
-def argument_parser(description: str, variants: Sequence[str], json_name: str, *,
-                    reps: int = 5, children: Sequence[str] = ("memory", "time")
-                    ) -> argparse.ArgumentParser:
-  """The flags every memory-and-time benchmark takes; a benchmark adds its own to it."""
-  parser = argparse.ArgumentParser(description=description)
-  parser.add_argument("--size", default="medium", choices=sorted(gpt.SIZES))
-  parser.add_argument("--tiny", action="store_true", help="CPU smoke run (size tiny)")
-  parser.add_argument("--attention", default="cudnn", help="'cudnn', 'xla' or 'default'")
-  parser.add_argument("--variants", nargs="+", default=list(variants))
-  parser.add_argument("--iters", type=int, default=3)
-  parser.add_argument("--reps", type=int, default=reps)
-  parser.add_argument("--out", default=None, help=f"folder for {json_name}")
-  parser.add_argument("--child", choices=tuple(children), help=argparse.SUPPRESS)
-  return parser
-
-
-def parsed(parser: argparse.ArgumentParser) -> argparse.Namespace:
-  """The parsed command line; `--tiny` means size tiny with the default attention."""
-  args = parser.parse_args()
-  if args.tiny:
-    args.size, args.attention = "tiny", "default"
-  return args
-
-
-def parse_args(description: str, variants: Sequence[str], json_name: str) -> argparse.Namespace:
-  """The command line of a memory-and-time benchmark with no flags of its own."""
-  return parsed(argument_parser(description, variants, json_name))
 
 
 def drive(script: str, args: argparse.Namespace, size: Any,

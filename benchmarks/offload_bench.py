@@ -41,15 +41,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import glob
-import gzip
 import hashlib
 import json
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any
@@ -60,10 +57,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gpt
-import harness
-import profile_replay
 import jaxgraph as jg
+from benchmarks import gpt, harness, profiling
 from jaxgraph import offload as offload_lib
 
 VARIANTS = ("none", "exe-all", "async-all", "async-but-2", "async-plan", "async-names",
@@ -135,7 +130,7 @@ def build(args: argparse.Namespace, size: gpt.Size, name: str, prepared: tuple[A
           warmup: int) -> Setup:
   params, x0, split, head = prepared
   variant = parse_variant(name, size.layers)
-  block = gpt.make_block(size.heads, _attention(args),
+  block = gpt.make_block(size.heads, harness.attention(args.attention),
                          name_matmul_inputs=variant.names is not None)
   layers = jg.make_graphed(
       [block] * size.layers, sample_args=[(p, x0) for p in params], rng=True,
@@ -144,10 +139,6 @@ def build(args: argparse.Namespace, size: gpt.Size, name: str, prepared: tuple[A
       offload_min_bytes=variant.min_bytes, offload_names=variant.names,
       remat_policy=None if args.no_remat else jg.residuals.recompute_elementwise)
   return Setup(layers, params, x0, split, head)
-
-
-def _attention(args: argparse.Namespace) -> str | None:
-  return None if args.attention == "default" else args.attention
 
 
 def grads_digest(grads: Any) -> str:
@@ -248,16 +239,9 @@ def measure_time(args: argparse.Namespace, size: gpt.Size, names: list[str]) -> 
       errors[name] = traceback.format_exc()[-2000:]
       del setups[name]
   repeat = grads_digest(setups[names[0]].step(0)) if names[0] in setups else None
-  times: dict[str, list[float]] = {name: [] for name in setups}
-  for rep in range(args.reps):
-    for name in (list(setups) if rep % 2 == 0 else list(setups)[::-1]):
-      jax.block_until_ready(setups[name].step(0))
-      start = time.perf_counter()
-      for i in range(args.iters):
-        grads = setups[name].step(i)
-      jax.block_until_ready(grads)
-      times[name].append((time.perf_counter() - start) / args.iters)
-      del grads
+  times = harness.interleaved(args.reps, {
+      name: lambda s=setup: harness.seconds_per_step(s.step, args.iters)
+      for name, setup in setups.items()})
   result = dict(kind="time", iters=args.iters, reps=args.reps, errors=errors,
                 grads_sha256=digests, first_variant_repeat_equal=repeat == digests.get(names[0]),
                 step_s={n: statistics.median(t) for n, t in times.items()},
@@ -272,21 +256,13 @@ def measure_time(args: argparse.Namespace, size: gpt.Size, names: list[str]) -> 
 
 
 def trace_overlap(setup: Setup, out: str | None) -> dict[str, Any]:
-  """Two steps under `jax.profiler`; per copy direction on the device, the time it ran and
-  the part of it a kernel on another stream ran too."""
-  folder = os.path.join(out, "trace") if out else tempfile.mkdtemp()
+  """Two steps under `jax.profiler` (the trace kept in `out/trace` where `out` is given); per
+  copy direction on the device, the time it ran and the part of it a kernel on another stream
+  ran too."""
   jax.block_until_ready(setup.step(0))
-  jax.profiler.start_trace(folder, create_perfetto_trace=True)
-  try:
-    for i in range(2):
-      jax.block_until_ready(setup.step(i))
-  finally:
-    jax.profiler.stop_trace()
-  (path,) = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"),
-                             recursive=True))[-1:]
-  with gzip.open(path) as f:
-    events = json.load(f)["traceEvents"]
-  return dict(path=path, **overlap_summary(events))
+  trace = profiling.record_trace(lambda: [jax.block_until_ready(setup.step(i)) for i in range(2)],
+                                 os.path.join(out, "trace") if out else None)
+  return dict(path=trace.path, **overlap_summary(trace.events))
 
 
 _COPY = re.compile(r"memcpy|dtoh|htod|d2h|h2d", re.IGNORECASE)
@@ -303,11 +279,8 @@ def _direction(name: str) -> str:
 
 def overlap_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
   """Copies and kernels of the GPU streams in a Chrome/Perfetto trace, and their overlap."""
-  process = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-  thread = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-            if e.get("ph") == "M" and e.get("name") == "thread_name"}
-  device = {pid for pid, name in process.items() if "/device:" in name}
+  thread = profiling.thread_names(events)
+  device = {pid for pid, name in profiling.process_names(events).items() if "/device:" in name}
   lines: dict[str, int] = {}
   kernels, copies = [], []
   for e in events:
@@ -337,7 +310,7 @@ def overlap_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _covered(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
   """How much of [start, end) the union of `intervals` covers."""
-  return profile_replay.union_us(
+  return profiling.union_us(
       sorted((max(s, start), min(e, end)) for s, e in intervals if s < end and e > start))
 
 
@@ -348,7 +321,7 @@ def anchor(args: argparse.Namespace, size: gpt.Size, name: str, *,
            memory_only: bool = False) -> dict[str, Any]:
   """The same step under one whole-step jax.jit; `xla-offload` lets XLA offload the named
   matmul inputs to pinned_host (`save_and_offload_only_these_names`)."""
-  block = gpt.make_block(size.heads, _attention(args), name_matmul_inputs=True)
+  block = gpt.make_block(size.heads, harness.attention(args.attention), name_matmul_inputs=True)
   policies = jax.checkpoint_policies
   if name == "xla-plain":
     blocks = [block] * size.layers
@@ -376,14 +349,8 @@ def anchor(args: argparse.Namespace, size: gpt.Size, name: str, *,
   start = time.perf_counter()
   digest = grads_digest(step(params, split(jnp.uint32(0))))  # compiles
   compile_s = time.perf_counter() - start
-  rounds = []
-  for _ in range(1 if memory_only else args.reps):
-    jax.block_until_ready(step(params, split(jnp.uint32(0))))
-    start = time.perf_counter()
-    for i in range(args.iters):
-      grads = step(params, split(jnp.uint32(i)))
-    jax.block_until_ready(grads)
-    rounds.append((time.perf_counter() - start) / args.iters)
+  rounds = [harness.seconds_per_step(lambda i: step(params, split(jnp.uint32(i))), args.iters)
+            for _ in range(1 if memory_only else args.reps)]
   after = harness.device_memory()
   result: dict[str, Any] = dict(kind="anchor", variant=name, compile_s=compile_s,
                                 grads_sha256=digest)
@@ -437,10 +404,6 @@ def _ms(seconds: float | None) -> str:
   return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-def _mib(value: float | None) -> str:
-  return "-" if value is None else f"{value / 2 ** 20:,.0f}"
-
-
 def report(results: dict[str, Any]) -> str:
   memory = {r["variant"]: r for r in results["memory"] if "variant" in r}
   timing = results.get("time", {})
@@ -463,8 +426,8 @@ def report(results: dict[str, Any]) -> str:
     same = (digests[shown] == digests["none"]) if shown in digests and "none" in digests else "-"
     label = v if shown == v else f"{v}={shown.removeprefix('async-')}"
     timed = f"{_ms(t):>7} ({_ms(lo)}-{_ms(hi)})"
-    lines.append(f"{label:<19}  {_mib(act):>8}  {act_rel:>7}  {timed:<22}  {t_rel:>7}  "
-                 f"{str(same):>11}")
+    lines.append(f"{label:<19}  {harness.mib(act, 0):>8}  {act_rel:>7}  {timed:<22}  "
+                 f"{t_rel:>7}  {str(same):>11}")
   return "\n".join(lines)
 
 

@@ -1,8 +1,10 @@
-"""Smoke test of benchmarks/bench.py at tiny sizes: it runs and reports every variant.
+"""Smoke tests of benchmarks/ and benchmarks/probes/ at tiny sizes on the CPU: each script
+runs and reports what it measures (benchmarks/README.md lists them).
 
 No timing thresholds: timings belong in docs/performance.md, not in pass/fail tests.
 """
 
+import importlib
 import json
 import os
 import subprocess
@@ -13,21 +15,31 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_tiny_reports_every_variant(tmp_path):
+def _run(script, *args):
+  """`script` (a path under benchmarks/) run on the CPU as the README says, from the root."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  run = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--tiny", "--no-probes",
-       "--iters", "1", "--reps", "1", "--out", str(tmp_path)],
-      capture_output=True, text=True, env=env, timeout=900, check=False)
+  run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                       capture_output=True, text=True, env=env, timeout=900, check=False)
   assert run.returncode == 0, run.stderr[-4000:]
-  with open(tmp_path / "bench.json") as f:
-    result = json.load(f)
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  return run
+
+
+def _module(name):
+  """`benchmarks.<name>`, imported as the scripts import each other (the root on the path)."""
+  sys.path.insert(0, ROOT)
   try:
-    import bench
+    return importlib.import_module(f"benchmarks.{name}")
   finally:
     sys.path.pop(0)
+
+
+def test_bench_tiny_reports_every_variant(tmp_path):
+  run = _run("bench.py", "--tiny", "--no-probes", "--iters", "1", "--reps", "1", "--out",
+             str(tmp_path))
+  with open(tmp_path / "bench.json") as f:
+    result = json.load(f)
+  bench = _module("bench")
   reported = {r["variant"]: r for r in result["records"]}
   for name in bench.JAX_VARIANTS:
     record = reported[name]
@@ -41,16 +53,10 @@ def test_bench_tiny_reports_every_variant(tmp_path):
 
 
 def test_llama_breakdown_tiny_reports_each_part(tmp_path):
-  """benchmarks/llama_breakdown.py follows the Llama example it measures (it builds the
-  example's trainer and whole step): it runs at the tiny preset and reports its parts."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  run = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "llama_breakdown.py"), "--preset",
-       "tiny", "--rounds", "1", "--steps", "1", "--variants", "recompute", "--out",
-       str(tmp_path)],
-      capture_output=True, text=True, env=env, timeout=900, check=False)
-  assert run.returncode == 0, run.stderr[-4000:]
+  """benchmarks/probes/llama_breakdown.py follows the Llama example it measures (it builds
+  the example's trainer and whole step): it runs at the tiny preset and reports its parts."""
+  _run("probes/llama_breakdown.py", "--preset", "tiny", "--rounds", "1", "--steps", "1",
+       "--variants", "recompute", "--out", str(tmp_path))
   with open(tmp_path / "breakdown.json") as f:
     found = json.load(f)["variants"]["recompute"]
   assert found["call"]["arrays_per_vjp"] >= 2 and found["call"]["vjp_host_us"] > 0
@@ -58,16 +64,10 @@ def test_llama_breakdown_tiny_reports_each_part(tmp_path):
 
 
 def test_fusion_probe_tiny_reports_each_variant(tmp_path):
-  """benchmarks/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT and
-  the Llama example, and reports their timings, host costs and executables (no GPU trace
-  on the CPU)."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  run = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "fusion_probe.py"), "--tiny", "--out",
-       str(tmp_path)],
-      capture_output=True, text=True, env=env, timeout=900, check=False)
-  assert run.returncode == 0, run.stderr[-4000:]
+  """benchmarks/probes/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT
+  and the Llama example, and reports their timings, host costs and executables (no GPU
+  trace on the CPU)."""
+  run = _run("probes/fusion_probe.py", "--tiny", "--out", str(tmp_path))
   assert "FAILED" not in run.stdout, run.stdout[-4000:]
   with open(tmp_path / "fusion_probe.json") as f:
     records = {(r["model"], r["variant"]): r for r in json.load(f)["records"]}
@@ -83,13 +83,48 @@ def test_fusion_probe_tiny_reports_each_variant(tmp_path):
     assert r["fused"] == ("vs_per_layer" in r)
 
 
+def test_profile_replay_tiny_traces_and_profiles_jaxgraph(tmp_path):
+  """benchmarks/probes/profile_replay.py traces a bench.py variant (the host's events on the
+  CPU) and profiles jaxgraph's host side."""
+  _run("probes/profile_replay.py", "--size", "tiny", "--steps", "1", "--variants", "jaxgraph",
+       "--out", str(tmp_path))
+  with open(tmp_path / "profile.json") as f:
+    [result] = json.load(f)["results"]
+  assert result["variant"] == "jaxgraph" and result["traced_step_ms"] > 0
+  assert result["host_events_us_per_step"]
+  assert "function calls" in (tmp_path / "host_profile.txt").read_text()
+
+
+def test_native_breakdown_charges_each_sample_to_its_innermost_part(tmp_path):
+  """benchmarks/probes/native_breakdown.py on collapsed stacks written here: a specific part
+  anywhere on the stack wins over the generic ones, which go innermost first."""
+  stacks = tmp_path / "native_jaxgraph.txt"
+  stacks.write_text("main;jaxgraph/chain.py:run;Compiled.__call__;xla::Execute;cuGraphLaunch 6\n"
+                    "main;jaxgraph/chain.py:run;Compiled.__call__;xla::Execute 2\n"
+                    "main;jaxgraph/graphed.py:vjp 1\n"
+                    "main;loop 1\n")
+  (tmp_path / "native_jaxgraph.json").write_text(json.dumps(dict(seconds=0.01, calls=10)))
+  run = _run("probes/native_breakdown.py", str(stacks))
+  shares = {line[:42].strip(): line[42:].split() for line in run.stdout.splitlines()[1:]
+            if "%" in line}
+  assert shares["launch (cuGraphLaunch, kernel launch)"] == ["60.0%", "600.0"]
+  assert shares["rest of the runtime's execute path"] == ["20.0%", "200.0"]
+  assert shares["jaxgraph Python"] == ["10.0%", "100.0"]
+  assert shares["benchmark loop, other Python"] == ["10.0%", "100.0"]
+  assert shares["all (wall time / executable calls)"] == ["100.0%", "1000.0"]
+
+
+def test_host_per_call_reports_the_tree_it_measured():
+  """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names)."""
+  run = _run("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2")
+  result = json.loads(run.stdout.splitlines()[-1])
+  assert os.path.realpath(result["jaxgraph"]) == os.path.realpath(
+      os.path.join(ROOT, "jaxgraph", "__init__.py"))
+  assert result["us_per_call"] > 0 and result["backend"] == "cpu"
+
+
 def _offload_bench():
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import offload_bench
-  finally:
-    sys.path.pop(0)
-  return offload_bench
+  return _module("offload_bench")
 
 
 def test_offload_bench_overlap_summary_of_a_synthetic_trace():
@@ -124,12 +159,10 @@ def test_offload_bench_variant_names():
 def test_default_attention_follows_the_backend(platform_gate, cudnn):
   """Both sides of the benchmarks' attention gate, forced here (conftest.py). Only the
   choice: cuDNN attention itself does not compile for XLA:CPU."""
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import gpt
-  finally:
-    sys.path.pop(0)
-  assert gpt.CUDNN_PLATFORMS == {"gpu"}
-  platform_gate(gpt, "CUDNN_PLATFORMS", cudnn)
-  assert gpt.default_attention() == ("cudnn" if cudnn else None)
-  assert gpt.default_attention("xla") == "xla"
+  from benchmarks import harness
+
+  assert harness.CUDNN_PLATFORMS == {"gpu"}
+  platform_gate(harness, "CUDNN_PLATFORMS", cudnn)
+  assert harness.attention(None) == ("cudnn" if cudnn else None)
+  assert harness.attention("xla") == "xla"
+  assert harness.attention("default") is None

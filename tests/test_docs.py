@@ -30,7 +30,8 @@ def test_api_page_is_generated_from_the_docstrings():
 
 
 def test_markdown_links_resolve():
-  for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+  for md in [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+             *sorted((ROOT / "docs").glob("*.md"))]:
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", md.read_text()):
       if target.startswith(("http://", "https://")):
         continue

@@ -15,8 +15,9 @@ layers replayed per layer and fused (`sequential_vjp(..., fuse=True)`), and repo
   - capture seconds of the variant (parameters, capture, compile and its first step).
 Prints a table, one JSON line per variant, and writes `fusion_probe.json` to `--out`.
 
-  PYTHONPATH=. python3 benchmarks/fusion_probe.py --sizes small medium --llama gpu --out /tmp/fp
-  PYTHONPATH=. python3 benchmarks/fusion_probe.py --tiny   # CPU smoke run, seconds
+  PYTHONPATH=. python3 benchmarks/probes/fusion_probe.py --sizes small medium --llama gpu \
+      --out /tmp/fp
+  PYTHONPATH=. python3 benchmarks/probes/fusion_probe.py --tiny   # CPU smoke run, seconds
 
 Variants are `bench.py` names (`jaxgraph-recompute`, `jaxgraph-fuse-flat-recompute`, ...) or,
 with `--llama`, `llama-` and a `llama_breakdown.py` variant (`llama-recompute-fuse`). A fused
@@ -42,12 +43,11 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
-import bench  # sets the allocator environment before jax starts
-import gpt
+from benchmarks import bench  # sets the allocator environment before jax starts
+from benchmarks import gpt, harness, profiling
+from benchmarks.probes import llama_breakdown  # puts examples/llama on the path
 import jax
 import jax.numpy as jnp
-import llama_breakdown  # puts examples/llama on the path
-import profile_replay
 import train  # examples/llama
 
 import jaxgraph as jg
@@ -155,11 +155,6 @@ def llama_case(name: str, setup: llama_breakdown.Setup, preset: str) -> Case:
 # ----------------------------------------------------------------------------- measures
 
 
-def _median_spread(values: Sequence[float]) -> dict[str, float]:
-  median, spread_pct = llama_breakdown.median_spread(list(values))
-  return dict(median=median, spread_pct=spread_pct)
-
-
 def host_us(case: Case, samples: int = 7) -> dict[str, float]:
   """Host µs to enqueue the blocks' forward calls, and then their backward calls, each
   started on an idle device."""
@@ -236,16 +231,11 @@ def _base_name(name: str) -> str:
   return re.sub(r"(?:[._]\d+)+$", "", name)
 
 
-def device_time(trace: dict[str, Any], steps: int) -> dict[str, Any]:
+def device_time(events: list[profiling.Event], steps: int) -> dict[str, Any]:
   """Per step: kernel time and count on the GPU's stream rows, busy time, time by kernel
   kind and by kernel name, and device time by XLA module where the trace has that row."""
-  events = trace["traceEvents"]
-  processes = {e["pid"]: e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid for pid, name in processes.items()
-         if "gpu" in name.lower() and "host" not in name.lower()}
-  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpu}
+  gpu = profiling.gpu_processes(events)
+  threads = {key: name for key, name in profiling.thread_names(events).items() if key[0] in gpu}
   streams = {key for key, name in threads.items() if "stream" in name.lower()}
   spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur")]
   # Without stream rows: every row but the derived ones (XLA Modules/Ops, TensorFlow ...),
@@ -256,18 +246,19 @@ def device_time(trace: dict[str, Any], steps: int) -> dict[str, Any]:
                                   else (e["pid"], e["tid"]) not in derived)]
   modules = [e for e in spans if "module" in threads.get((e["pid"], e["tid"]), "").lower()]
   if not kernels:
-    return dict(note=f"no GPU events among processes {sorted(set(processes.values()))}")
+    processes = sorted(set(profiling.process_names(events).values()))
+    return dict(note=f"no GPU events among processes {processes}")
   by_name: collections.Counter[str] = collections.Counter()
   counts: collections.Counter[str] = collections.Counter()
   by_kind: collections.Counter[str] = collections.Counter()
   for e in kernels:
     by_name[_base_name(e["name"])] += e["dur"] / steps
     counts[_base_name(e["name"])] += 1
-    by_kind[llama_breakdown.kernel_kind(e["name"])] += e["dur"] / steps
+    by_kind[profiling.kernel_kind(e["name"])] += e["dur"] / steps
   by_module: collections.Counter[str] = collections.Counter()
   for e in modules:
     by_module[_base_name(e["name"])] += e["dur"] / steps
-  busy = profile_replay.union_us(sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels))
+  busy = profiling.union_us(sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels))
   return dict(kernel_us=sum(by_name.values()), kernels=len(kernels) / steps,
               busy_us=busy / steps, rows=sorted({threads.get((e["pid"], e["tid"]), "?")
                                                  for e in kernels}),
@@ -298,12 +289,12 @@ def probe(cases: list[Case], iters: int, reps: int, trace_steps: int) -> list[di
   for case in cases:
     v = case.variant
     record: dict[str, Any] = dict(model=case.model, variant=v.name, fused=case.fused,
-                                  capture_s=v.capture_s, step_ms=_median_spread(times[v.name]),
+                                  capture_s=v.capture_s, step_ms=harness.summary(times[v.name]),
                                   step_ms_rounds=times[v.name])
     for key, measure in (("host", lambda: host_us(case)),
                          ("executables", lambda: executables(case)),
-                         ("device", lambda: device_time(
-                             profile_replay.record_trace(v, trace_steps)[0], trace_steps))):
+                         ("device", lambda: device_time(profiling.record_trace(
+                             lambda: bench.run_steps(v, trace_steps)).events, trace_steps))):
       try:
         record[key] = measure()
       except Exception as e:  # one measurement failing leaves the others
@@ -366,21 +357,18 @@ def main() -> None:
   parser.add_argument("--variants", nargs="+", default=list(GPT_VARIANTS))
   parser.add_argument("--llama", default=None, help="the Llama example's preset (e.g. gpu)")
   parser.add_argument("--llama-variants", nargs="+", default=list(LLAMA_VARIANTS))
-  parser.add_argument("--iters", type=int, default=10, help="steps per timed round")
-  parser.add_argument("--reps", type=int, default=3, help="timed rounds per variant")
+  harness.add_timing_flags(parser, iters=10, reps=3)
   parser.add_argument("--trace-steps", type=int, default=3)
-  parser.add_argument("--attention", default=None,
-                      help="dot_product_attention implementation; default cudnn on GPU")
   parser.add_argument("--tiny", action="store_true", help="tiny sizes on any backend (CI)")
   parser.add_argument("--out", default=None, help="folder for fusion_probe.json")
   args = parser.parse_args()
   if args.tiny:
     args.sizes, args.llama, args.iters, args.reps, args.trace_steps = ["tiny"], "tiny", 1, 3, 1
-  attention = gpt.default_attention(args.attention)
-  meta = dict(bench.machine(), attention=attention, command=" ".join(sys.argv),
+  attention = harness.attention(args.attention)
+  meta = dict(harness.machine(), attention=attention, command=" ".join(sys.argv),
               xla_flags=os.environ.get("XLA_FLAGS", ""))
   print(json.dumps(dict(meta=meta)), flush=True)
-  bench._warm_libraries(attention)
+  bench.warm_libraries(attention)
   records: list[dict[str, Any]] = []
   begin = time.perf_counter()
   for size_name in args.sizes:

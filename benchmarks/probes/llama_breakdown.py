@@ -1,7 +1,7 @@
 """Where the graphed Llama step's time goes, beside its whole-step jit: host or device.
 
-  PYTHONPATH=. python3 benchmarks/llama_breakdown.py --preset gpu --flat --out runs/breakdown
-  PYTHONPATH=. python3 benchmarks/llama_breakdown.py --preset tiny --rounds 2   # CPU smoke run
+  PYTHONPATH=. python3 benchmarks/probes/llama_breakdown.py --preset gpu --flat --out runs/breakdown
+  PYTHONPATH=. python3 benchmarks/probes/llama_breakdown.py --preset tiny --rounds 2   # CPU smoke
 
 Per variant (residual policy, packing threshold) it measures:
   - calls: one block's arrays per `vjp`, and host microseconds per call taken in bursts of a
@@ -22,11 +22,10 @@ import argparse
 import collections
 import dataclasses
 import functools
-import gzip
+import itertools
 import json
 import os
 import pathlib
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,11 +37,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from benchmarks import harness, profiling
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "examples" / "llama"), str(ROOT / "examples")]
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import capture as capture_lib  # noqa: E402
-import gpt  # noqa: E402
 import train  # noqa: E402
 from common import CORPUS, Corpus  # noqa: E402
 from model import Config, Llama  # noqa: E402
@@ -83,7 +83,7 @@ def setup(preset_name: str, flat: bool) -> Setup:
   config = Config(vocab=len(corpus.chars), width=preset.width, depth=preset.depth,
                   heads=preset.heads, kv_heads=preset.kv_heads, hidden=preset.hidden,
                   dropout=preset.dropout, attention=preset.attention
-                  if gpt.default_attention() == "cudnn" else None)
+                  if harness.attention(None) == "cudnn" else None)
   fns, params = train.split(Llama(config, rngs=nnx.Rngs(params=0)))
   if flat:
     params = [jg.flat.ravel(p, group=train.flat_group) for p in params]
@@ -110,11 +110,6 @@ def build(s: Setup, variant: str) -> train.Trainer:
                           tx.init(s.params))
   trainer.capture_seconds = time.perf_counter() - begin
   return trainer
-
-
-def median_spread(values: list[float]) -> tuple[float, float]:
-  m = statistics.median(values)
-  return m, (100 * (max(values) - min(values)) / m if m else 0.0)
 
 
 def call_costs(s: Setup, trainer: train.Trainer, burst: int = 8, long: int = 40
@@ -192,8 +187,6 @@ def step_rates(s: Setup, trainer: train.Trainer, whole: train.WholeStep, rounds:
   microbatches = trainer.microbatches
   tokens_per_step = microbatches * s.preset.batch * s.preset.context
   batches = [train.step_batches(s.corpus, i, microbatches) for i in range(8)]
-  rates: dict[str, list[float]] = {"graphed": [], "whole_step": []}
-  enqueue: list[float] = []
 
   def run_graphed(state, i):
     return trainer.step(*state, batches[i % 8], s.positions)[:2]
@@ -202,30 +195,30 @@ def step_rates(s: Setup, trainer: train.Trainer, whole: train.WholeStep, rounds:
     return whole.step(*state, batches[i % 8], s.positions)[:2]
 
   opt_state = trainer.tx.init(s.params)
-  for index in range(rounds):
-    order = [("graphed", run_graphed), ("whole_step", run_whole)]
-    for name, run in (order if index % 2 == 0 else order[::-1]):
-      state = (jax.tree.map(jnp.copy, s.params), jax.tree.map(jnp.copy, opt_state))
-      for i in range(3):  # settle, untimed
-        state = run(state, i)
-      jax.block_until_ready(state)
-      begin = time.perf_counter()
-      spent = 0.0
-      for i in range(steps):
-        mark = time.perf_counter()
-        state = run(state, i)
-        spent += time.perf_counter() - mark
-      jax.block_until_ready(state)
-      rates[name].append(steps * tokens_per_step / (time.perf_counter() - begin))
-      if name == "graphed":
-        enqueue.append(spent / steps * 1e3)
-      del state
-  graphed, graphed_spread = median_spread(rates["graphed"])
-  whole_rate, whole_spread = median_spread(rates["whole_step"])
-  return {"graphed_tok_s": graphed, "graphed_spread_pct": graphed_spread,
-          "whole_tok_s": whole_rate, "whole_spread_pct": whole_spread,
-          "ratio": graphed / whole_rate, "rounds": rates,
-          "graphed_enqueue_ms_per_step": statistics.median(enqueue)}
+
+  def timed_round(run: Any) -> tuple[float, float]:
+    """Tokens/s over `steps` steps from a fresh state, and host ms to enqueue a step."""
+    state = (jax.tree.map(jnp.copy, s.params), jax.tree.map(jnp.copy, opt_state))
+    for i in range(3):  # settle, untimed
+      state = run(state, i)
+    jax.block_until_ready(state)
+    begin = time.perf_counter()
+    spent = 0.0
+    for i in range(steps):
+      mark = time.perf_counter()
+      state = run(state, i)
+      spent += time.perf_counter() - mark
+    jax.block_until_ready(state)
+    return steps * tokens_per_step / (time.perf_counter() - begin), spent / steps * 1e3
+
+  found = harness.interleaved(rounds, {"graphed": lambda: timed_round(run_graphed),
+                                       "whole_step": lambda: timed_round(run_whole)})
+  rates = {name: [rate for rate, _ in found[name]] for name in found}
+  graphed, whole_rate = harness.summary(rates["graphed"]), harness.summary(rates["whole_step"])
+  return {"graphed_tok_s": graphed["median"], "graphed_spread_pct": graphed["spread_pct"],
+          "whole_tok_s": whole_rate["median"], "whole_spread_pct": whole_rate["spread_pct"],
+          "ratio": graphed["median"] / whole_rate["median"], "rounds": rates,
+          "graphed_enqueue_ms_per_step": statistics.median([ms for _, ms in found["graphed"]])}
 
 
 def microbatch_host(s: Setup, trainer: train.Trainer) -> dict[str, float]:
@@ -258,63 +251,38 @@ def trace_steps(s: Setup, trainer: train.Trainer, whole: train.WholeStep,
     run = ((lambda st: trainer.step(*st, batches, s.positions)[:2]) if name == "graphed" else
            (lambda st: whole.step(*st, batches, s.positions)[:2]))
     state = jax.block_until_ready(run(run(state)))
-    log_dir = directory / f"trace-{name}"
-    begin = time.perf_counter()
-    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
-      for _ in range(steps):
-        state = run(state)
-      jax.block_until_ready(state)
-    wall = (time.perf_counter() - begin) / steps
-    files = sorted(log_dir.rglob("*.trace.json.gz"))
-    found[name] = dict(reduce_trace(files[-1]) if files else {}, wall_ms_per_step=wall * 1e3,
+    trace = profiling.record_trace(functools.partial(_repeat, run, state, steps),
+                                   str(directory / f"trace-{name}"))
+    found[name] = dict(reduce_trace(trace.events), wall_ms_per_step=trace.seconds / steps * 1e3,
                        steps=steps)
-    del state
   return found
 
 
-def reduce_trace(path: pathlib.Path) -> dict[str, Any]:
-  """GPU kernel time, busy (union) time and the largest idle gaps, from a perfetto trace."""
-  data = json.loads(gzip.open(path).read())
-  events = data["traceEvents"] if isinstance(data, dict) else data
-  names = {e["pid"]: e["args"]["name"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
+def _repeat(run: Any, state: Any, steps: int) -> Any:
+  for _ in range(steps):
+    state = run(state)
+  return state
+
+
+def reduce_trace(events: list[profiling.Event]) -> dict[str, Any]:
+  """GPU kernel time, busy (union) time and the largest idle gaps, from a trace's events."""
+  gpu = profiling.gpu_processes(events)
   kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
   if not kernels:
-    return {"note": f"no GPU events among processes {sorted(set(names.values()))}"}
-  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
-  busy, gaps, (start, end) = 0.0, [], spans[0]
-  first = start
-  for lo, hi in spans[1:]:
-    if lo > end:
-      busy += end - start
-      gaps.append(lo - end)
-      start, end = lo, hi
-    else:
-      end = max(end, hi)
-  busy += end - start
+    processes = sorted(set(profiling.process_names(events).values()))
+    return {"note": f"no GPU events among processes {processes}"}
+  busy = profiling.merged(sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                                 for e in kernels))
+  gaps = sorted((lo - hi for (_, hi), (lo, _) in zip(busy, busy[1:])), reverse=True)
   by_kind: collections.Counter[str] = collections.Counter()
   for e in kernels:
-    by_kind[kernel_kind(e.get("name", ""))] += float(e["dur"])
-  gaps.sort(reverse=True)
-  return {"gpu_busy_ms": busy / 1e3, "gpu_span_ms": (end - first) / 1e3,
+    by_kind[profiling.kernel_kind(e.get("name", ""))] += float(e["dur"])
+  return {"gpu_busy_ms": sum(hi - lo for lo, hi in busy) / 1e3,
+          "gpu_span_ms": (busy[-1][1] - busy[0][0]) / 1e3,
           "kernel_ms": sum(by_kind.values()) / 1e3, "kernels": len(kernels),
           "idle_ms": sum(gaps) / 1e3, "gaps_over_20us": sum(g > 20 for g in gaps),
           "idle_in_gaps_over_20us_ms": sum(g for g in gaps if g > 20) / 1e3,
           "kernel_ms_by_kind": {k: round(v / 1e3, 3) for k, v in by_kind.most_common(12)}}
-
-
-def kernel_kind(name: str) -> str:
-  lowered = name.lower()
-  for kind, marks in (("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
-                      ("attention", ("cudnn", "fmha", "flash", "attn")),
-                      ("copy", ("memcpy", "memset", "copy")),
-                      ("reduce", ("reduce", "reduction")),
-                      ("rng", ("threefry", "random", "rng")),
-                      ("fusion", ("fusion", "loop_", "input_", "triton"))):
-    if any(m in lowered for m in marks):
-      return kind
-  return "other"
 
 
 # ----------------------------------------------------------------------------- long run
@@ -340,29 +308,24 @@ def clock_log(path: pathlib.Path, stop: threading.Event) -> threading.Thread:
 
 
 def native_profile(s: Setup, trainer: train.Trainer, seconds: float, path: pathlib.Path) -> None:
-  """Graphed steps for `seconds` under py-spy's sampling profiler with native frames, as
-  collapsed stacks in `path` (read them with `native_breakdown.py`); steps and executable
-  calls in `path` with `.json`."""
-  spy = shutil.which("py-spy")
-  if spy is None:
-    print("py-spy not found: no native profile", flush=True)
-    return
-  sampler = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--native", "--rate",
-                              "1000", "--format", "raw", "--duration", str(int(seconds)),
-                              "--output", str(path)], stdout=subprocess.DEVNULL)
-  time.sleep(1.0)  # py-spy attaches
+  """Graphed steps for `seconds` under py-spy (`profiling.sample_native`), the steps and
+  executable calls that ran written to `path` with `.json`."""
   state = (jax.tree.map(jnp.copy, s.params), trainer.tx.init(s.params))
-  begin, steps = time.perf_counter(), 0
-  while time.perf_counter() < begin + seconds and sampler.poll() is None:
-    state = trainer.step(*state, train.step_batches(s.corpus, steps, trainer.microbatches),
-                         s.positions)[:2]
-    steps += 1
-  jax.block_until_ready(state)
-  sampler.wait()
-  blocks = len(trainer.layers) - 2
+  indices = itertools.count()
+
+  def advance() -> Any:
+    nonlocal state
+    batches = train.step_batches(s.corpus, next(indices), trainer.microbatches)
+    state = trainer.step(*state, batches, s.positions)[:2]
+    return state
+
+  ran = profiling.sample_native(advance, seconds, str(path))
+  if ran is None:
+    return
+  seconds_run, steps = ran
   calls_per_step = trainer.microbatches * 2 * (len(trainer.layers)) + trainer.microbatches + 2
   path.with_suffix(".json").write_text(json.dumps(
-      {"seconds": time.perf_counter() - begin, "steps": steps, "blocks": blocks,
+      {"seconds": seconds_run, "steps": steps, "blocks": len(trainer.layers) - 2,
        "calls": steps * calls_per_step}))
 
 

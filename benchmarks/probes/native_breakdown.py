@@ -1,11 +1,12 @@
 """Host time of replayed executables by part, from a py-spy `--native --format raw` profile.
 
-`profile_replay.py --sample-seconds N` writes the collapsed stacks (`native_stacks.txt`) and
-how many steps and executable calls ran while they were sampled (`native_stacks.json`). Each
-sample is charged to the innermost part found on its stack (the specific parts first, then
-the generic ones), so the parts add up to the whole.
+`profile_replay.py --sample-seconds N` writes the collapsed stacks (`native_<variant>.txt`)
+and how many steps and executable calls ran while they were sampled (`native_<variant>.json`);
+`llama_breakdown.py --native N` writes the same for the Llama step. Each sample is charged to
+the innermost part found on its stack (the specific parts first, then the generic ones), so
+the parts add up to the whole.
 
-  python3 benchmarks/native_breakdown.py /tmp/profile/native_stacks.txt
+  python3 benchmarks/probes/native_breakdown.py /tmp/profile/native_jaxgraph.txt
 """
 
 from __future__ import annotations

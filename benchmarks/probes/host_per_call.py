@@ -2,22 +2,24 @@
 
 Four identical layers (4 matmuls of 16 × 16, pytree params of 8 leaves) replayed through
 `vjp` and their pullbacks; the median of `--rounds` rounds of `--steps` steps, in µs per
-executable call. Compare two trees by alternating the package on the path:
+executable call. Compare two trees by alternating the package on the path (the tree to
+measure first, this one after it for `benchmarks`):
 
-  for t in .old . .old .; do PYTHONPATH=$t python3 benchmarks/host_per_call.py; done
+  for t in .old . .old .; do PYTHONPATH=$t:. python3 benchmarks/probes/host_per_call.py; done
+  PYTHONPATH=. python3 benchmarks/probes/host_per_call.py --rounds 2 --steps 2   # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxgraph as jg
+from benchmarks import harness
 
 
 def layer(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -57,9 +59,9 @@ def main() -> None:
       g = step()
     jax.block_until_ready(g)
     samples.append((time.perf_counter() - begin) / calls * 1e6)
+  found = harness.summary(samples)
   result = {"jaxgraph": jg.__file__, "backend": jax.default_backend(),
-            "us_per_call": statistics.median(samples),
-            "spread_pct": 100 * (max(samples) - min(samples)) / statistics.median(samples)}
+            "us_per_call": found["median"], "spread_pct": found["spread_pct"]}
   print(f"{'jaxgraph':<40} {'µs/call':>8} {'spread':>7}")
   print(f"{result['jaxgraph']:<40} {result['us_per_call']:>8.1f} {result['spread_pct']:>6.0f}%")
   print(json.dumps(result))
