@@ -168,13 +168,13 @@ class Plan:
 
   def __str__(self) -> str:
     n = sum(self.flags)
-    part = (f", of each its kept buffers of at least {self.min_bytes / 2**20:.1f} MiB"
+    part = (f", of each its kept buffers of at least {_size(self.min_bytes)}"
             if self.min_bytes and n else "")
     # The model never predicts a step faster than its compute: max() drops a rounding -0.0%.
     slower = max(self.predicted_seconds / self.compute_seconds - 1, 0.0)
     return (f"offload {n} of {len(self.flags)} layers (the first {n}){part}: "
-            f"{self.offloaded_bytes / 2**30:.2f} GiB to host, "
-            f"{self.resident_bytes / 2**30:.2f} GiB stay; predicted step "
+            f"{_size(self.offloaded_bytes)} to host, {_size(self.resident_bytes)} stay; "
+            "predicted step "
             f"{self.predicted_seconds * 1e3:.1f} ms vs {self.compute_seconds * 1e3:.1f} ms "
             f"without offload ({slower:+.1%}). {self.reason}")
 
@@ -268,7 +268,7 @@ def plan(residual_bytes: Sequence[int | Sequence[int]], forward_seconds: Sequenc
     best = min((c for c in candidates if c.resident_bytes <= budget_bytes),
                key=lambda c: (c.predicted_seconds, c.offloaded_bytes))
     return dataclasses.replace(best, reason=(
-        f"The fastest choice that leaves at most {budget_bytes / 2**30:.2f} GiB of "
+        f"The fastest choice that leaves at most {_size(budget_bytes)} of "
         f"offloadable residuals on device{_per_layer(best, forward_seconds, link)}"))
   limit = compute * (1 + max_slowdown)
   best = max((c for c in candidates if c.predicted_seconds <= limit),
@@ -283,6 +283,10 @@ def _per_layer(chosen: Plan, forward_seconds: Sequence[float], link: Link) -> st
   if not chosen.offloaded_bytes:
     return "."
   i = chosen.flags.index(True)
-  return (f": layer {i} moves {chosen.moved_bytes[i] / 2**20:.1f} MiB, "
+  return (f": layer {i} moves {_size(chosen.moved_bytes[i])}, "
           f"{chosen.moved_bytes[i] / link.to_host * 1e3:.2f} ms to host beside a "
           f"{forward_seconds[i] * 1e3:.2f} ms forward.")
+
+
+def _size(nbytes: float) -> str:
+  return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
