@@ -32,6 +32,7 @@ from jax.sharding import Sharding
 
 import jaxgraph as jg
 import jaxgraph.rng
+from vocabulary import Vocabulary
 
 
 def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentParser:
@@ -129,26 +130,25 @@ def resume_command(script: str, argv: Sequence[str]) -> str:
   return shlex.join(["python", str(path), *flags, "--resume"])
 
 
-CORPUS = pathlib.Path(__file__).parent / "data" / "corpus.txt"
-
-
 class Corpus:
-  """The text as character ids; batch `step` is a function of (seed, step) only.
+  """A text as token ids; batch `step` is a function of (seed, step) only.
 
-  With `held_out` > 0, that fraction at the end of the text is kept out of training and
+  With `held_out` > 0, that fraction at the end of the ids is kept out of training and
   read by `eval_batch`. With a `sharding` (data parallel: the batch dimension split over a
   mesh) every batch is placed with it; with several processes each one makes the same whole
   batch and keeps its own devices' rows.
   """
 
-  def __init__(self, path: pathlib.Path, context: int, batch: int, seed: int,
-               held_out: float = 0.0, sharding: Sharding | None = None):
-    text = path.read_text(encoding="ascii")
-    self.chars = sorted(set(text))
-    self.index = {c: i for i, c in enumerate(self.chars)}
-    ids = np.array([self.index[c] for c in text], np.int32)
+  def __init__(self, ids: np.ndarray, vocabulary: Vocabulary, context: int, batch: int,
+               seed: int, held_out: float = 0.0, sharding: Sharding | None = None):
     split = len(ids) - int(held_out * len(ids))
     self.ids, self.held_out_ids = ids[:split], ids[split:]
+    shortest = min(len(self.ids), len(self.held_out_ids) if held_out else len(self.ids))
+    if shortest <= context + 1:
+      raise ValueError(f"a text of {len(ids):,} tokens ({shortest:,} in its shorter part) "
+                       f"has no window of {context + 1} tokens: pass a shorter context or a "
+                       "longer text")
+    self.vocabulary = vocabulary
     self.context, self.batch, self.seed = context, batch, seed
     self.sharding = sharding
 
@@ -174,7 +174,7 @@ class Corpus:
     return self._windows(self.held_out_ids, [self.seed, index, 1])
 
   def decode(self, ids: Any) -> str:
-    return "".join(self.chars[int(i)] for i in ids)
+    return self.vocabulary.decode(ids)
 
 
 Streams = list[tuple[jax.Array, int]]

@@ -45,9 +45,10 @@ from flax import nnx
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-from common import (CORPUS, Checkpoints, Corpus, Streams, check_out, check_resume,
-                    params_digest, plot, progress_bar, resume_command, run_parser,
-                    stream_keys, stream_positions, write_json)
+import vocabulary as vocab_lib
+from common import (Checkpoints, Corpus, Streams, check_out, check_resume, params_digest, plot,
+                    progress_bar, resume_command, run_parser, stream_keys, stream_positions,
+                    write_json)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
@@ -329,12 +330,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}: {len(jax.devices())} device(s); "
         f"preset {args.preset}: {dataclasses.replace(preset, steps=total)}")
 
-  corpus = Corpus(CORPUS, preset.context, preset.batch, args.seed)
-  model = GPT(len(corpus.chars), preset, rngs=nnx.Rngs(params=args.seed, dropout=args.seed))
+  text = vocab_lib.fables()
+  chars = vocab_lib.Characters(text)
+  corpus = Corpus(chars.encode(text.documents), chars, preset.context, preset.batch, args.seed)
+  model = GPT(chars.size, preset, rngs=nnx.Rngs(params=args.seed, dropout=args.seed))
   fns, params = zip(*(jgf.nnx_layer(part) for part in model.layers()))
   params = list(params)
   names = [f"{fn.__name__}[{i}]" for i, fn in enumerate(fns)]
-  print(f"{sum(x.size for x in jax.tree.leaves(params)):,} params, vocab {len(corpus.chars)}, "
+  print(f"{sum(x.size for x in jax.tree.leaves(params)):,} params, vocab {chars.size}, "
         f"{len(corpus.ids):,} characters")
 
   # Capture: one make_graphed call for every layer; identical blocks share executables.

@@ -165,6 +165,18 @@ class GraphedCallable:
     return self._counts.snapshot([segment._counts for segment in self._led_segments()],
                                  residual_bytes, offload_bytes)
 
+  @property
+  def kept_buffers(self) -> tuple[offload_lib.Buffer, ...]:
+    """The buffers one `vjp` keeps for its backward (kept residuals, the small ones packed by
+    dtype), for the signature captured last; () before any capture.
+
+    What `make_graphed(..., offload_min_bytes=, offload_names=)` select from, and what
+    `jaxgraph.offload.plan` takes per layer to move part of each layer
+    (`[b.nbytes for b in g.kept_buffers]`). They sum to `stats.residual_bytes`.
+    """
+    last = next(reversed(self._entries.values()), None)
+    return () if last is None else last.layout.buffers
+
   def reset(self) -> None:
     """Drops this callable's executables, and those of fused segments it belongs to; its
     next call captures again (and counts anew)."""

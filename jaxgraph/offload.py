@@ -12,8 +12,8 @@ backward. `Policy` says which ones (by size, by `checkpoint_name`) and how they 
   backward executable copies them back before any compute reads them; each copy is serial
   with its executable.
 
-`plan` picks the layers whose copies hide behind compute, from measured link speeds
-(`measure_link`) and per-layer times.
+`plan` picks the layers, and the buffers of each, whose copies hide behind compute, from
+measured link speeds (`measure_link`), per-layer times and each layer's kept buffers.
 """
 
 from __future__ import annotations
@@ -143,18 +143,23 @@ def measure_link(nbytes: int = 1 << 30, *, repeats: int = 5) -> Link:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Which layers `plan` offloads, and why.
+  """What `plan` offloads, and why.
 
   Attributes:
     flags: one bool per layer, for `make_graphed(..., offload_residuals=flags)`.
-    offloaded_bytes: residual bytes per step that leave the device.
-    resident_bytes: residual bytes that stay (the layers not offloaded).
+    min_bytes: for `make_graphed(..., offload_min_bytes=min_bytes)`: an offloaded layer moves
+      its kept buffers of at least this many bytes; 0 moves them all (whole layers).
+    moved_bytes: per layer, the bytes it moves (0 for a layer not offloaded).
+    offloaded_bytes: residual bytes per step that leave the device (`sum(moved_bytes)`).
+    resident_bytes: residual bytes that stay.
     compute_seconds: the step's forwards and backwards without offload.
     predicted_seconds: the step with these copies, as `predict_seconds` models it.
     reason: what decided the choice, in words.
   """
 
   flags: tuple[bool, ...]
+  min_bytes: int
+  moved_bytes: tuple[int, ...]
   offloaded_bytes: int
   resident_bytes: int
   compute_seconds: float
@@ -163,12 +168,15 @@ class Plan:
 
   def __str__(self) -> str:
     n = sum(self.flags)
-    return (f"offload {n} of {len(self.flags)} layers (the first {n}): "
-            f"{self.offloaded_bytes / 2**30:.2f} GiB to host, "
-            f"{self.resident_bytes / 2**30:.2f} GiB stay; predicted step "
+    part = (f", of each its kept buffers of at least {_size(self.min_bytes)}"
+            if self.min_bytes and n else "")
+    # The model never predicts a step faster than its compute: max() drops a rounding -0.0%.
+    slower = max(self.predicted_seconds / self.compute_seconds - 1, 0.0)
+    return (f"offload {n} of {len(self.flags)} layers (the first {n}){part}: "
+            f"{_size(self.offloaded_bytes)} to host, {_size(self.resident_bytes)} stay; "
+            "predicted step "
             f"{self.predicted_seconds * 1e3:.1f} ms vs {self.compute_seconds * 1e3:.1f} ms "
-            f"without offload ({self.predicted_seconds / self.compute_seconds - 1:+.1%}). "
-            f"{self.reason}")
+            f"without offload ({slower:+.1%}). {self.reason}")
 
 
 def predict_seconds(flags: Sequence[bool], residual_bytes: Sequence[int],
@@ -196,18 +204,26 @@ def predict_seconds(flags: Sequence[bool], residual_bytes: Sequence[int],
   return clock
 
 
-def plan(residual_bytes: Sequence[int], forward_seconds: Sequence[float],
+def plan(residual_bytes: Sequence[int | Sequence[int]], forward_seconds: Sequence[float],
          backward_seconds: Sequence[float], link: Link, *, budget_bytes: int | None = None,
          max_slowdown: float | None = None) -> Plan:
-  """Picks the layers to offload (the first n, as the backward needs the last ones first).
+  """Picks what to offload: the first n layers (the backward needs the last ones first), and
+  of each, every kept buffer or only those of at least some size.
 
-  Give exactly one goal: `budget_bytes`, the residual bytes that may stay on device (the
-  fewest layers that meet it), or `max_slowdown`, a fraction of the step time the copies may
-  add as `predict_seconds` models them (the most layers within it).
+  Moving part of every layer can hide copies that whole layers cannot: a layer's copy out
+  overlaps the next layers' forwards and its copy back the backward of the layer above, so
+  what hides is bounded by the compute each copy runs beside. The plan tries every
+  (n, size) pair, the sizes being those of the layers' buffers, and models each with
+  `predict_seconds`. Give exactly one goal: `budget_bytes`, the residual bytes that may stay
+  on device (the fastest plan that meets it; of equally fast ones, the one moving the
+  fewest bytes), or `max_slowdown`, a fraction of the step time the copies may add (the plan
+  moving the most bytes within it; of those, the fastest).
 
   Args:
-    residual_bytes: per layer, the bytes its forward would offload (`Stats.offload_bytes` of
-      a layer built with `offload_residuals=True`).
+    residual_bytes: per layer, what its forward keeps: the sizes of its kept buffers
+      (`[b.nbytes for b in g.kept_buffers]`), or one int, its offloadable bytes
+      (`Stats.offload_bytes` of a layer built with `offload_residuals=True`), moved whole.
+      Where any layer is given as an int, every layer moves whole (`min_bytes` 0).
     forward_seconds: per layer, its forward's device time.
     backward_seconds: per layer, its backward's device time.
     link: copy speeds (`measure_link`).
@@ -228,22 +244,49 @@ def plan(residual_bytes: Sequence[int], forward_seconds: Sequence[float],
   if goal < 0:
     raise ValueError(f"plan got {'budget_bytes' if budget_bytes is not None else 'max_slowdown'}"
                      f"={goal}; it must be >= 0.")
+  whole = any(not isinstance(b, Sequence) for b in residual_bytes)
+  buffers = [tuple(int(s) for s in b) if isinstance(b, Sequence) else (int(b),)
+             for b in residual_bytes]
+  total = sum(map(sum, buffers))
   compute = sum(forward_seconds) + sum(backward_seconds)
+  # Every size a buffer has: moving those of at least `size` is one choice per layer. The
+  # smallest moves every buffer: min_bytes 0.
+  sizes = sorted({s for layer in buffers for s in layer}, reverse=True)
+  thresholds = [0] if whole or len(sizes) <= 1 else [*sizes[:-1], 0]
 
-  def candidate(n: int) -> Plan:
-    flags = (True,) * n + (False,) * (layers - n)
-    return Plan(flags, sum(residual_bytes[:n]), sum(residual_bytes[n:]), compute,
-                predict_seconds(flags, residual_bytes, forward_seconds, backward_seconds,
-                                link), "")
+  def candidate(n: int, min_bytes: int) -> Plan:
+    moved = tuple(sum(s for s in layer if s >= min_bytes) if i < n else 0
+                  for i, layer in enumerate(buffers))
+    flags = tuple(i < n for i in range(layers))
+    return Plan(flags, min_bytes if n else 0, moved, sum(moved), total - sum(moved), compute,
+                predict_seconds(flags, moved, forward_seconds, backward_seconds, link), "")
 
-  candidates = [candidate(n) for n in range(layers + 1)]
+  candidates = [candidate(0, 0)] + [candidate(n, t) for t in thresholds
+                                    for n in range(1, layers + 1)]
   if budget_bytes is not None:
-    # Offloading every layer leaves 0 bytes: some candidate always fits.
-    fits = next(c for c in candidates if c.resident_bytes <= budget_bytes)
-    return dataclasses.replace(fits, reason=(
-        f"The fewest layers that leave at most {budget_bytes / 2**30:.2f} GiB of their "
-        "offloadable residuals on device."))
-  within = [c for c in candidates if c.predicted_seconds <= compute * (1 + max_slowdown)]
-  return dataclasses.replace(within[-1], reason=(
-      f"The most layers whose copies keep the step within {max_slowdown:.0%} of "
-      f"{compute * 1e3:.1f} ms."))
+    # Offloading every buffer of every layer leaves 0 bytes: some candidate always fits.
+    best = min((c for c in candidates if c.resident_bytes <= budget_bytes),
+               key=lambda c: (c.predicted_seconds, c.offloaded_bytes))
+    return dataclasses.replace(best, reason=(
+        f"The fastest choice that leaves at most {_size(budget_bytes)} of "
+        f"offloadable residuals on device{_per_layer(best, forward_seconds, link)}"))
+  limit = compute * (1 + max_slowdown)
+  best = max((c for c in candidates if c.predicted_seconds <= limit),
+             key=lambda c: (c.offloaded_bytes, -c.predicted_seconds))
+  return dataclasses.replace(best, reason=(
+      f"The most bytes whose copies keep the step within {max_slowdown:.0%} of "
+      f"{compute * 1e3:.1f} ms{_per_layer(best, forward_seconds, link)}"))
+
+
+def _per_layer(chosen: Plan, forward_seconds: Sequence[float], link: Link) -> str:
+  """The first offloaded layer's copy out against its forward, for `Plan.reason`."""
+  if not chosen.offloaded_bytes:
+    return "."
+  i = chosen.flags.index(True)
+  return (f": layer {i} moves {_size(chosen.moved_bytes[i])}, "
+          f"{chosen.moved_bytes[i] / link.to_host * 1e3:.2f} ms to host beside a "
+          f"{forward_seconds[i] * 1e3:.2f} ms forward.")
+
+
+def _size(nbytes: float) -> str:
+  return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -63,6 +63,28 @@ def test_llama_breakdown_tiny_reports_each_part(tmp_path):
   assert found["step"]["graphed_tok_s"] > 0 and found["step"]["whole_tok_s"] > 0
 
 
+def test_llama_offload_tiny_reports_each_variant(tmp_path):
+  """benchmarks/llama_offload.py builds the Llama example's step with its --offload, one
+  process per variant, and reports tokens/s, the bytes moved and the plan (no device memory
+  statistics on the CPU)."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  run = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "llama_offload.py"), "--preset",
+       "tiny", "--variants", "none", "all", "--warmup", "1", "--rounds", "1",
+       "--round-steps", "1", "--out", str(tmp_path)],
+      capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert run.returncode == 0, run.stderr[-4000:]
+  with open(tmp_path / "llama_offload.json") as f:
+    found = json.load(f)
+  none, everything = found["variants"]["none"], found["variants"]["all"]
+  assert none["tok_s"] > 0 and none["offload_bytes"] == 0 and none["offload"] is None
+  assert everything["offload_bytes"] == everything["residual_bytes"] > 0
+  assert everything["offload"]["flags"] == [True, True]
+  assert [row["variant"] for row in found["table"]] == ["none", "all"]
+  assert "block       fwd ms" in run.stdout  # the plan's per-block measurement
+
+
 def test_fusion_probe_tiny_reports_each_variant(tmp_path):
   """benchmarks/probes/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT
   and the Llama example, and reports their timings, host costs and executables (no GPU

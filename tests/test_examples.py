@@ -193,6 +193,20 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   assert resumed["losses"] == losses and resumed["eval_losses"] == metrics["eval_losses"]
   assert resumed["params_sha256"] == metrics["params_sha256"]
 
+  # --offload memory=0: every kept buffer of every block waits in pinned host memory between
+  # its forward and backward (the plan for a budget of 0 bytes): the same run, bit for bit.
+  offloaded = tmp_path / "offloaded"
+  out = _run("llama/train.py", env, *common, "--out", str(offloaded), "--offload", "memory=0",
+             "--no-check")
+  assert re.search(r"Block\[0\] +[0-9.]+ +[0-9.]+ +[0-9.]+ +\d+ ", out)  # the measured table
+  assert "offload 2 of 2 layers (the first 2)" in out and "of them in host memory" in out
+  offload = json.loads((offloaded / "metrics.json").read_text())
+  assert offload["offload"]["flags"] == [True, True] and offload["offload"]["min_bytes"] == 0
+  moved = [block["moved_bytes"] for block in offload["offload"]["blocks"]]
+  assert moved == [sum(block["kept_buffer_bytes"]) for block in offload["offload"]["blocks"]]
+  assert [offload["stats"][f"train Block[{i}]"]["offload_bytes"] for i in (1, 2)] == moved
+  assert offload["losses"] == losses and offload["params_sha256"] == metrics["params_sha256"]
+
   # --fuse: the blocks as one executable pair per microbatch, the layers' own kernels (an
   # optimization barrier between blocks): on the CPU the same run, bit for bit.
   fused = tmp_path / "fused"
@@ -204,17 +218,28 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
     assert fused_metrics["params_sha256"] == metrics["params_sha256"]
 
 
-def test_llama_plain_ends_untied_without_dropout(tmp_path, env):
+def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, env, common):
+  """Also a byte-level BPE vocabulary (trained on the fables into --cache, recorded in the
+  checkpoint) and --offload of the blocks in a make_graphed call of their own."""
   out = _run("llama/train.py", env, "--preset", "tiny", "--steps", "4", "--generate", "4",
              "--plain-ends", "--untied", "--dropout", "0", "--microbatches", "1",
+             "--vocab", "300", "--cache", str(tmp_path / "cache"), "--offload", "all",
              "--out", str(tmp_path))
   assert "embedding and head run under plain jax.jit" in out
   assert "steps=4," in out  # the header shows the run's steps (the preset's are 12)
   # The bar counts the steps as they run (it read 0/4 until the end, redrawn only after 1 s).
   assert "4/4 [" in out and not re.search(r" 0/4 \[[^]]*loss=", out)
+  assert "vocabulary: a byte-level BPE of 300 tokens" in out and "trained now" in out
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   assert metrics["losses"][-1] < metrics["losses"][0]
   assert set(metrics["generation"]["decode_stats"]) == {"Block[0]", "Block[1]"}
+  vocabulary = metrics["vocabulary"]
+  assert vocabulary["kind"] == "byte-level BPE" and vocabulary["size"] == 300
+  assert vocabulary["text"] == "fables" and pathlib.Path(vocabulary["file"]).is_file()
+  assert [metrics["stats"][f"train Block[{i}]"]["offload_bytes"] > 0 for i in (0, 1)] == [
+      True, True]
+  step, meta = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
+  assert step == 4 and meta["vocabulary"] == vocabulary
 
 
 # ------------------------------------------------------------------------------- --fsdp
@@ -524,10 +549,21 @@ def test_metrics_json_is_written_atomically(common, tmp_path, monkeypatch):
      "pass --fsdp N"),
     (["--fsdp", "2", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id",
       "2"], "--process-id takes 0 to --num-processes - 1"),
+    (["--context", "0"], "--context takes a number >= 1"),
+    (["--vocab", "257"], "--vocab takes a number of tokens above 257 .*, or 'chars'"),
+    (["--offload", "some"], r"--offload takes none, all, slowdown=P% .* got 'some'"),
+    (["--offload", "memory=5%"], r"--offload takes none, all, slowdown=P%"),
+    (["--offload", "slowdown=20"], r"--offload slowdown= takes a fraction of the step in "
+                                   r"\[0, 10\)"),
+    (["--offload", "all", "--whole-step"], "--whole-step trains through one jax.jit, with no "
+                                           "graphed blocks: drop one of them"),
+    (["--offload", "all", "--fuse"], "--fuse replays the blocks as one executable"),
+    (["--offload", "slowdown=5%", "--fsdp", "2"], "--fsdp shards the blocks over devices"),
 ], ids=["seed", "dropout", "negative_dropout", "generate", "temperature", "rounds",
         "round_steps", "whole_step_check", "whole_step_fuse", "cudnn_float32", "batch", "fsdp_zero", "fsdp_batch",
         "fsdp_no_flat", "fsdp_devices", "coordinator_alone", "processes_without_fsdp",
-        "process_id"])
+        "process_id", "context", "vocab", "offload_spelling", "offload_unit",
+        "offload_slowdown", "offload_whole_step", "offload_fuse", "offload_fsdp"])
 def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):
   with pytest.raises(SystemExit) as exit:
     llama.parse(["--preset", "tiny", "--out", str(tmp_path), *flags])
@@ -790,6 +826,86 @@ def test_llama_sets_the_gpu_memory_fraction_unless_given(llama, monkeypatch):
   monkeypatch.setenv(MEMORY_FRACTION, "0.5")
   _load(monkeypatch, "llama_train_again", EXAMPLES / "llama" / "train.py")
   assert os.environ[MEMORY_FRACTION] == "0.5"  # the user's value is kept
+def test_llama_offload_spellings(llama):
+  spec = llama.offload_spec
+  assert spec("none") == llama.OffloadSpec("none") and spec("all").kind == "all"
+  assert spec("slowdown=5%") == spec("slowdown=0.05") == llama.OffloadSpec("slowdown", 0.05)
+  assert spec("memory=4GiB") == llama.OffloadSpec("memory", 4 * 2**30)
+  assert spec("memory=512MiB").value == 2**29 and spec("memory=2e9").value == 2e9
+  assert spec("memory=1.5GB").value == 1.5e9 and str(spec("slowdown=5%")) == "slowdown=5.0%"
+
+
+def test_llama_resume_refuses_another_vocabulary(llama, common, capsys, tmp_path):
+  """The checkpoint records its vocabulary's digest; --resume compares it with this run's
+  (the same flags may mean another tokenizer: another text, e.g. another Python's library).
+  Checkpoints from before the record held the fables' characters."""
+  vocabulary = sys.modules["vocabulary"]
+  cache = tmp_path / "cache"
+  run = ["--preset", "tiny", "--resume", "--steps", "40", "--vocab", "300", "--cache",
+         str(cache)]
+
+  def save(out: pathlib.Path, args: Any, record: dict[str, Any] | None) -> None:
+    meta = {"config": llama.run_config(args, llama.resolve(args))}
+    common.Checkpoints(out / "checkpoints").save(
+        30, *_state(1.0), meta if record is None else {**meta, "vocabulary": record})
+
+  args = llama.parse([*run, "--out", str(tmp_path / "same")])
+  ours = llama.vocabulary_record(*llama.load_vocabulary(llama.resolve(args), cache))
+  save(tmp_path / "same", args, ours)
+  llama.parse([*run, "--out", str(tmp_path / "same")])  # the same tokenizer: resumes
+
+  other_text = vocabulary.Text.of("other text", [vocabulary.FABLES.read_text()[::-1]])
+  other = llama.vocabulary_record(other_text, vocabulary.subwords(other_text, 300, cache))
+  assert other["digest"] != ours["digest"]
+  save(tmp_path / "other", args, other)
+  with pytest.raises(SystemExit):
+    llama.parse([*run, "--out", str(tmp_path / "other")])
+  err = capsys.readouterr().err
+  assert (f"was trained with byte-level BPE of 300 tokens (digest {other['digest'][:12]}) of "
+          f"the other text; this run's vocabulary is byte-level BPE of 300 tokens (digest "
+          f"{ours['digest'][:12]}) of the fables") in err
+  assert "or start a new run with another --out" in err
+
+  chars = ["--preset", "tiny", "--resume", "--steps", "40", "--out", str(tmp_path / "old")]
+  save(tmp_path / "old", llama.parse(chars), None)  # written before vocabularies were recorded
+  llama.parse(chars)  # the fables' characters: resumes
+
+
+def test_subword_vocabulary_round_trips_and_is_trained_once(common, monkeypatch, tmp_path):
+  vocabulary = sys.modules["vocabulary"]
+  documents = [vocabulary.FABLES.read_text()[:20_000],
+               "def f(x):\n\treturn x ** 2  # naïve — 東京 ✓\n"]
+  text = vocabulary.Text.of("test", documents)
+  bpe = vocabulary.subwords(text, 400, tmp_path)
+  assert bpe.trained and bpe.size == 400 and list(tmp_path.glob("bpe-400-*.json")) == [bpe.path]
+  for document in documents:
+    assert bpe.decode(bpe.encode([document])) == document
+  ids = vocabulary.encoded(bpe, text, tmp_path)
+  assert list(ids).count(bpe.end_of_text) == 1  # between the two documents
+  assert bpe.decode(ids) == vocabulary.END_OF_TEXT.join(documents)
+  assert len(ids) < text.characters / 2  # subwords: fewer tokens than characters
+  # Cached: the same tokenizer read back, not trained again; the ids read, not encoded.
+  again = vocabulary.subwords(text, 400, tmp_path)
+  assert not again.trained and again.digest == bpe.digest
+  monkeypatch.setattr(vocabulary.Subwords, "encode", lambda *_: pytest.fail("encoded again"))
+  assert np.array_equal(vocabulary.encoded(again, text, tmp_path), ids)
+  assert len(list(tmp_path.iterdir())) == 2  # the tokenizer and the ids, no temporaries
+  # Another size or another text: another tokenizer.
+  monkeypatch.undo()
+  assert vocabulary.subwords(text, 300, tmp_path).digest != bpe.digest
+  other = vocabulary.Text.of("test", documents[::-1])
+  assert other.digest != text.digest
+  assert vocabulary.subwords(other, 400, tmp_path).path != bpe.path
+  with pytest.raises(ValueError, match="pass a size above 257"):
+    vocabulary.subwords(text, 257, tmp_path)
+
+
+def test_python_stdlib_text_is_the_standard_librarys_sources(common):
+  vocabulary = sys.modules["vocabulary"]
+  text = vocabulary.python_stdlib()
+  assert len(text.documents) > 300 and text.characters > 5_000_000
+  assert any("class OrderedDict" in d for d in text.documents)  # collections/__init__.py
+  assert vocabulary.python_stdlib().digest == text.digest  # the same text, the same digest
 
 
 def test_examples_share_one_progress_bar(common, monkeypatch, capsys):
@@ -818,8 +934,10 @@ def test_gpu_presets_time_steady_state_and_gpu_1b_fits_80gb(llama):
     assert preset.check and preset.rounds >= 5 and preset.round_steps >= 40, name
   for name in ("tiny", "cpu"):  # cheap on CPU: at most 80 timed steps in --check
     assert llama.PRESETS[name].rounds * llama.PRESETS[name].round_steps <= 40, name
-  vocab = len(llama.Corpus(llama.CORPUS, 8, 1, 0).chars)
-  estimate = llama.memory_estimate(llama.PRESETS["gpu-1b"], vocab)
+    assert llama.PRESETS[name].vocab is None  # characters: fast, and the bitwise tests
+  for name in ("gpu", "gpu-1b"):  # a subword vocabulary of a real model's size
+    assert llama.PRESETS[name].vocab >= 8192 and llama.PRESETS[name].text == "stdlib", name
+  estimate = llama.memory_estimate(llama.PRESETS["gpu-1b"], llama.PRESETS["gpu-1b"].vocab)
   assert 0.95e9 < estimate["params"] < 1.1e9, estimate
   # float32 params, AdamW moments, summed and one microbatch's grads, and one microbatch's
   # residuals (jax.vjp's, flash attention), with room for the whole step's temporaries.

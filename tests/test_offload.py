@@ -519,7 +519,7 @@ def test_plan_for_a_budget_offloads_the_fewest_first_layers():
   layers = 12
   plan = offload_lib.plan([GIB] * layers, [0.002] * layers, [0.004] * layers, LINK,
                           budget_bytes=5 * GIB)
-  assert plan.flags == (True,) * 7 + (False,) * 5
+  assert plan.flags == (True,) * 7 + (False,) * 5 and plan.min_bytes == 0  # layers move whole
   assert plan.offloaded_bytes == 7 * GIB and plan.resident_bytes == 5 * GIB
   assert plan.compute_seconds == pytest.approx(0.072)
   assert plan.predicted_seconds > plan.compute_seconds  # 1 GiB copies do not hide in 6 ms
@@ -544,6 +544,71 @@ def test_plan_for_a_slowdown_offloads_the_most_layers_that_hide():
   none = offload_lib.plan([GIB] * layers, [1e-4] * layers, [2e-4] * layers, LINK,
                           max_slowdown=0.01)
   assert none.flags == (False,) * layers and none.offloaded_bytes == 0
+
+
+MIB = 2 ** 20
+# Per layer a 1 GiB buffer and two smaller ones on LINK: the 1 GiB buffer alone (20 ms out
+# beside 25 ms forwards, 40 ms back beside 50 ms backwards) hides; with the 512 MiB one
+# (60 ms back) or the whole layer it does not.
+BUFFERS, FORWARD, BACKWARD = [GIB, 512 * MIB, 128 * MIB], 0.025, 0.05
+
+
+def test_plan_for_a_slowdown_moves_part_of_each_layer_where_whole_layers_stall():
+  layers = 4
+  whole = offload_lib.plan([sum(BUFFERS)] * layers, [FORWARD] * layers, [BACKWARD] * layers,
+                           LINK, max_slowdown=0.01)
+  parts = offload_lib.plan([BUFFERS] * layers, [FORWARD] * layers, [BACKWARD] * layers, LINK,
+                           max_slowdown=0.01)
+  assert whole.offloaded_bytes == 0 and whole.min_bytes == 0
+  assert parts.flags == (True, True, True, False)  # the last layer's copy back would stall
+  assert parts.min_bytes == GIB and parts.moved_bytes == (GIB,) * 3 + (0,)
+  assert parts.offloaded_bytes == 3 * GIB and parts.resident_bytes == 4 * sum(BUFFERS) - 3 * GIB
+  assert parts.predicted_seconds <= 1.01 * parts.compute_seconds
+  report = str(parts)
+  assert ("offload 3 of 4 layers (the first 3), of each its kept buffers of at least 1.00 GiB: "
+          "3.00 GiB to host, 3.50 GiB stay") in report
+  assert "layer 0 moves 1.00 GiB, 20.00 ms to host beside a 25.00 ms forward" in report
+
+
+def test_plan_for_a_budget_picks_the_fastest_split_that_meets_it():
+  """Moving 3 GiB as the 1 GiB buffers of 3 layers hides; as 2 whole layers it stalls."""
+  layers, budget = 4, 4 * sum(BUFFERS) - 3 * GIB
+  args = ([FORWARD] * layers, [BACKWARD] * layers, LINK)
+  whole = offload_lib.plan([sum(BUFFERS)] * layers, *args, budget_bytes=budget)
+  parts = offload_lib.plan([BUFFERS] * layers, *args, budget_bytes=budget)
+  assert whole.flags == (True, True, False, False)
+  assert parts.flags == (True, True, True, False) and parts.min_bytes == GIB
+  assert parts.resident_bytes == budget
+  assert parts.predicted_seconds == pytest.approx(parts.compute_seconds)
+  assert whole.predicted_seconds > parts.predicted_seconds
+  # Nothing may stay: every buffer of every layer moves (min_bytes 0), however slow.
+  everything = offload_lib.plan([BUFFERS] * layers, *args, budget_bytes=0)
+  assert everything.flags == (True,) * layers and everything.min_bytes == 0
+  assert everything.moved_bytes == (sum(BUFFERS),) * layers
+
+
+def test_plan_of_kept_buffers_moves_what_make_graphed_moves():
+  """The plan's min_bytes, passed to make_graphed, offloads exactly its moved_bytes."""
+  rows, hidden = 2048, 640
+  keys = jax.random.split(jax.random.key(0), 2)
+  fns, params = [wide_and_narrow] * 2, [init_mlp(k, D, hidden) for k in keys]
+  x = jax.random.normal(jax.random.key(1), (rows, D))
+  samples = [(p, x) for p in params]
+  plain = jg.make_graphed(fns, sample_args=samples)
+  buffers = [[b.nbytes for b in layer.kept_buffers] for layer in plain]
+  assert [sum(b) for b in buffers] == [layer.stats.residual_bytes for layer in plain]
+  assert len(set(buffers[0])) > 1  # wide and narrow buffers: a partial plan exists
+  # A link that moves the widest buffers of layer 0 out behind layer 1's forward and back
+  # behind its backward (10 ms each), and not the whole layer.
+  widest = max(buffers[0])
+  moved = sum(b for b in buffers[0] if b >= widest)
+  link = offload_lib.Link(to_host=moved / 0.01, to_device=moved / 0.01)
+  plan = offload_lib.plan(buffers, [0.01] * 2, [0.01] * 2, link, max_slowdown=0.001)
+  assert plan.flags == (True, False) and plan.min_bytes == widest
+  layers = jg.make_graphed(fns, sample_args=samples, offload_residuals=list(plan.flags),
+                           offload_min_bytes=plan.min_bytes)
+  assert tuple(layer.stats.offload_bytes for layer in layers) == plan.moved_bytes
+  assert trees_equal(_train(layers, params, x), _train(plain, params, x))
 
 
 @pytest.mark.parametrize("kwargs, match", [

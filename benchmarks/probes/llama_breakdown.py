@@ -44,7 +44,7 @@ sys.path[:0] = [str(ROOT / "examples" / "llama"), str(ROOT / "examples")]
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import capture as capture_lib  # noqa: E402
 import train  # noqa: E402
-from common import CORPUS, Corpus  # noqa: E402
+from common import Corpus  # noqa: E402
 from model import Config, Llama  # noqa: E402
 
 RECOMPUTE = jg.residuals.recompute_elementwise
@@ -77,10 +77,13 @@ class Setup:
   positions: jax.Array
 
 
-def setup(preset_name: str, flat: bool) -> Setup:
+def setup(preset_name: str, flat: bool, cache: pathlib.Path = pathlib.Path("runs/cache")
+          ) -> Setup:
+  """The preset's model, params and corpus (its vocabulary: the example's, cached in `cache`
+  as the example's --cache)."""
   preset = train.PRESETS[preset_name]
-  corpus = Corpus(CORPUS, preset.context, preset.batch, 0, held_out=0.1)
-  config = Config(vocab=len(corpus.chars), width=preset.width, depth=preset.depth,
+  _, corpus = train.make_corpus(preset, 0, cache)
+  config = Config(vocab=corpus.vocabulary.size, width=preset.width, depth=preset.depth,
                   heads=preset.heads, kv_heads=preset.kv_heads, hidden=preset.hidden,
                   dropout=preset.dropout, attention=preset.attention
                   if harness.attention(None) == "cudnn" else None)
@@ -390,13 +393,15 @@ def main() -> None:
                       help="seconds of graphed steps under py-spy --native (first variant)")
   parser.add_argument("--long", type=int, default=0, help="graphed steps of the long run")
   parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/breakdown"))
+  parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path("runs/cache"),
+                      help="the example's tokenizers and encoded texts (its --cache)")
   parser.add_argument("--label", default="", help="names this run in its JSON (e.g. the "
                       "XLA_FLAGS it ran under)")
   args = parser.parse_args()
   args.out.mkdir(parents=True, exist_ok=True)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; preset {args.preset}, "
         f"flat {args.flat}", flush=True)
-  s = setup(args.preset, args.flat)
+  s = setup(args.preset, args.flat, args.cache)
   results: dict[str, Any] = {"label": args.label, "preset": args.preset, "flat": args.flat,
                              "xla_flags": os.environ.get("XLA_FLAGS", ""),
                              "device": jax.devices()[0].device_kind,

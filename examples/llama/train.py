@@ -18,6 +18,9 @@
                         # each batch split over them; --check's whole step sharded alike
   ... --fsdp 8 --coordinator HOST:PORT --num-processes 2 --process-id I
                         # one of 2 processes of one run (jax.distributed); docs/fsdp.md
+  ... --context 8192 --batch 2 --vocab 8192 --text stdlib   # tokens per sequence, vocabulary
+  ... --offload slowdown=5%   # the blocks' residuals in host memory as jaxgraph.offload.plan
+                              # picks them (also: all, memory=4GiB); docs/llama.md
 
 Training: fp32 master params and bf16 compute inside each layer; Optax AdamW without decay on
 the norms, global-norm clipping, a warmup-cosine schedule; gradient accumulation over
@@ -42,7 +45,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Protocol, Sequence
 
 # Before jax starts a GPU: it reserves 75% of the GPU's memory by default, and gpu-1b's
 # --check (on by default) peaks at about 64 GB, over the 60 GB that leaves of 80
@@ -62,7 +65,8 @@ import jaxgraph.rng  # noqa: E402
 from jaxgraph import fsdp  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # examples/common.py
-from common import (CORPUS, Checkpoints, Corpus, Streams,  # noqa: E402
+import vocabulary as vocab_lib  # noqa: E402
+from common import (Checkpoints, Corpus, Streams,  # noqa: E402
                     check_out, check_resume, params_digest, plot, progress_bar,
                     resume_command, run_parser, stream_positions, write_json)
 from model import Cache, Config, Llama  # noqa: E402
@@ -94,6 +98,10 @@ class Preset:
   checkpoint_every: int
   attention: str | None = None  # jax.nn.dot_product_attention implementation (training)
   check: bool = False           # run --check by default (the GPU presets: both throughputs)
+  # The training text (vocabulary.TEXTS) and its vocabulary: a byte-level BPE of `vocab`
+  # tokens trained on it, or None: its characters. docs/llama.md says why these.
+  text: str = "fables"
+  vocab: int | None = None
   # Tokens/s: after a warm-up of `round_steps` untimed steps, rounds of `round_steps` steps
   # between device syncs; --check times `rounds` rounds of each step, alternating.
   rounds: int = 3
@@ -110,13 +118,13 @@ PRESETS = {
     "gpu": Preset(context=512, width=768, depth=12, heads=12, kv_heads=4, hidden=2048,
                   batch=16, microbatches=2, steps=300, learning_rate=6e-4, dropout=0.1,
                   eval_every=100, eval_batches=8, checkpoint_every=150, attention="cudnn",
-                  check=True, rounds=5, round_steps=40),
-    # ~1.04B params (TinyLlama's shape: with a character vocabulary the embedding is tiny, so
-    # 22 blocks of 47.2M), 16,384 tokens a step as `gpu`; memory in docs/llama.md.
+                  check=True, rounds=5, round_steps=40, text="stdlib", vocab=8192),
+    # ~1.06B params (TinyLlama's shape, 22 blocks of 47.2M, with an 8,192-token embedding),
+    # 16,384 tokens a step as `gpu`; memory in docs/llama.md.
     "gpu-1b": Preset(context=2048, width=2048, depth=22, heads=16, kv_heads=8, hidden=5632,
                      batch=4, microbatches=2, steps=200, learning_rate=3e-4, dropout=0.0,
                      eval_every=100, eval_batches=4, checkpoint_every=200, attention="cudnn",
-                     check=True, rounds=5, round_steps=40),
+                     check=True, rounds=5, round_steps=40, text="stdlib", vocab=8192),
 }
 
 
@@ -127,6 +135,62 @@ def model_config(preset: Preset, vocab: int, *, untied: bool = False,
                 kv_heads=preset.kv_heads, hidden=preset.hidden, dropout=preset.dropout,
                 tie_embeddings=not untied, compute_dtype=jnp.dtype(dtype),
                 attention=None if preset.attention == "xla" else preset.attention)
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+
+def load_vocabulary(preset: Preset, cache: pathlib.Path
+                    ) -> tuple[vocab_lib.Text, vocab_lib.Vocabulary]:
+  """The preset's text and its vocabulary: its characters, or a byte-level BPE of
+  `preset.vocab` tokens read from `cache` (trained on the text and saved there the first
+  time, keyed by a digest of the text and the size)."""
+  text = vocab_lib.TEXTS[preset.text]()
+  if preset.vocab is None:
+    return text, vocab_lib.Characters(text)
+  return text, vocab_lib.subwords(text, preset.vocab, cache)
+
+
+def make_corpus(preset: Preset, seed: int, cache: pathlib.Path,
+                sharding: Any = None) -> tuple[vocab_lib.Text, Corpus]:
+  """The preset's text as token ids (encoded once per vocabulary and kept in `cache`), the
+  last 10% held out."""
+  text, vocabulary = load_vocabulary(preset, cache)
+  return text, Corpus(vocab_lib.encoded(vocabulary, text, cache), vocabulary, preset.context,
+                      preset.batch, seed, held_out=0.1, sharding=sharding)
+
+
+def vocabulary_record(text: vocab_lib.Text, vocabulary: vocab_lib.Vocabulary
+                      ) -> dict[str, Any]:
+  """What a checkpoint records of its vocabulary (--resume compares the digest)."""
+  return {**vocabulary.record(), "text": text.name, "text_digest": text.digest}
+
+
+def describe_vocabulary(record: dict[str, Any]) -> str:
+  return (f"{record['kind']} of {record['size']:,} tokens (digest {record['digest'][:12]}) "
+          f"of the {record['text']}")
+
+
+def check_vocabulary(parser: argparse.ArgumentParser, out: pathlib.Path, preset: Preset,
+                     cache: pathlib.Path) -> None:
+  """With --resume: refuses (`parser.error`) a checkpoint trained with another vocabulary
+  (tokenizer digest) than this run's, naming both. Checkpoints written before vocabularies
+  were recorded used the fables' characters."""
+  directory = out / "checkpoints"
+  latest = Checkpoints(directory).latest_meta() if directory.is_dir() else None
+  if latest is None:
+    return
+  saved = latest[1].get("vocabulary") or vocabulary_record(
+      vocab_lib.fables(), vocab_lib.Characters(vocab_lib.fables()))
+  ours = vocabulary_record(*load_vocabulary(preset, cache))
+  if saved["digest"] != ours["digest"]:
+    parser.error(f"--resume: the checkpoint in {directory} was trained with "
+                 f"{describe_vocabulary(saved)}; this run's vocabulary is "
+                 f"{describe_vocabulary(ours)}. Token ids mean other things under another "
+                 "vocabulary: resume where the checkpoint's text and tokenizer are (the same "
+                 f"Python for the standard library; its tokenizer file: "
+                 f"{saved.get('file', 'none, characters')}), or start a new run with another "
+                 "--out (or without --resume)")
 
 
 # --------------------------------------------------------------------------------- layers
@@ -812,6 +876,156 @@ def memory_estimate(preset: Preset, vocab: int) -> dict[str, int]:
           "residual_bytes": block * preset.depth}
 
 
+# -------------------------------------------------------------------------------- offload
+
+
+class OffloadSpec(NamedTuple):
+  """--offload: "none", "all" (every kept buffer of every block), or a goal for
+  `jaxgraph.offload.plan`: "slowdown" (`value` a fraction of the step) or "memory" (`value`
+  the bytes of the blocks' residuals that may stay on the device, per microbatch)."""
+
+  kind: Literal["none", "all", "slowdown", "memory"]
+  value: float = 0.0
+
+  def __str__(self) -> str:
+    if self.kind == "slowdown":
+      return f"slowdown={self.value:.1%}"
+    return f"memory={self.value / 2**30:.2f}GiB" if self.kind == "memory" else self.kind
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
+              "mib": 2**20, "gib": 2**30}
+
+
+def offload_spec(text: str) -> OffloadSpec:
+  """Parses --offload: none | all | slowdown=P% (or a fraction) | memory=SIZE (bytes, or with
+  a unit: GiB, MiB, GB, ...)."""
+  usage = ("--offload takes none, all, slowdown=P% (e.g. slowdown=5%: the blocks' copies may "
+           "add 5% to the step) or memory=SIZE (e.g. memory=4GiB: at most that much of the "
+           f"blocks' residuals stays on the device); got {text!r}")
+  if text in ("none", "all"):
+    return OffloadSpec(text)
+  goal, _, value = text.partition("=")
+  number = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*(%|[a-zA-Z]*)\s*", value)
+  try:
+    amount, unit = float(number.group(1)), number.group(2).lower()
+  except (AttributeError, ValueError):
+    raise argparse.ArgumentTypeError(usage) from None
+  if goal == "slowdown" and unit in ("", "%"):
+    return OffloadSpec("slowdown", amount / 100 if unit == "%" else amount)
+  if goal == "memory" and unit in SIZE_UNITS:
+    return OffloadSpec("memory", amount * SIZE_UNITS[unit])
+  raise argparse.ArgumentTypeError(usage)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadChoice:
+  """What --offload measured of the blocks (no offload) and what the planner chose.
+
+  Attributes:
+    spec: the --offload goal.
+    names: the blocks' names.
+    forward_seconds, backward_seconds: per block, its forward's and backward's time.
+    buffers: per block, the sizes of the buffers its forward keeps (`kept_buffers`).
+    link: the measured copy speeds (`jaxgraph.offload.measure_link`).
+    plan: the planner's choice (`jaxgraph.offload.plan`).
+  """
+
+  spec: OffloadSpec
+  names: tuple[str, ...]
+  forward_seconds: tuple[float, ...]
+  backward_seconds: tuple[float, ...]
+  buffers: tuple[tuple[int, ...], ...]
+  link: jg.offload.Link
+  plan: jg.offload.Plan
+
+  def options(self, graph_ends: bool) -> dict[str, Any]:
+    """`make_graphed` options of the training layers (the embedding and head, when graphed in
+    the same call, never offload: the head's backward runs first)."""
+    if not any(self.plan.flags):
+      return {}
+    flags = [False, *self.plan.flags, False] if graph_ends else list(self.plan.flags)
+    return {"offload_residuals": flags, "offload_min_bytes": self.plan.min_bytes}
+
+  def table(self) -> str:
+    """Per block: compute times, kept bytes, what the link moves in those times, the plan."""
+    mib = 2**20
+    lines = [f"{'block':<10} {'fwd ms':>7} {'bwd ms':>7} {'kept MiB':>9} {'buffers':>7} "
+             f"{'link MiB in fwd':>15} {'in bwd':>8} {'moves MiB':>9}"]
+    for name, fwd, bwd, sizes, moved in zip(self.names, self.forward_seconds,
+                                            self.backward_seconds, self.buffers,
+                                            self.plan.moved_bytes):
+      lines.append(f"{name:<10} {fwd * 1e3:>7.2f} {bwd * 1e3:>7.2f} {sum(sizes) / mib:>9.1f} "
+                   f"{len(sizes):>7} {fwd * self.link.to_host / mib:>15.1f} "
+                   f"{bwd * self.link.to_device / mib:>8.1f} {moved / mib:>9.1f}")
+    return "\n".join(lines)
+
+  def summary(self) -> dict[str, Any]:
+    """For metrics.json."""
+    return {"spec": str(self.spec), "link_bytes_per_s": self.link._asdict(),
+            "blocks": [{"name": name, "forward_s": fwd, "backward_s": bwd,
+                        "kept_buffer_bytes": list(sizes), "moved_bytes": moved}
+                       for name, fwd, bwd, sizes, moved in zip(
+                           self.names, self.forward_seconds, self.backward_seconds,
+                           self.buffers, self.plan.moved_bytes)],
+            "flags": list(self.plan.flags), "min_bytes": self.plan.min_bytes,
+            "offloaded_bytes": self.plan.offloaded_bytes,
+            "resident_bytes": self.plan.resident_bytes,
+            "compute_seconds": self.plan.compute_seconds,
+            "predicted_seconds": self.plan.predicted_seconds, "report": str(self.plan)}
+
+
+def block_seconds(layers: Sequence[jg.GraphedCallable], params: Params, x: jax.Array,
+                  positions: jax.Array, repeats: int = 3) -> tuple[list[float], list[float]]:
+  """Per block, the median over `repeats` rounds of its forward's and its backward's time on
+  `x`, each run alone (waited for before and after: device time and one call's dispatch),
+  after one untimed round. Each backward runs right after its forward, so one block's
+  residuals are alive at a time: a setting that needs offload to train can be measured."""
+  forward: list[list[float]] = [[] for _ in layers]
+  backward: list[list[float]] = [[] for _ in layers]
+  x = jax.block_until_ready(x)
+  cotangent = jax.block_until_ready(jnp.ones_like(x))
+  for _ in range(repeats + 1):
+    for i, (layer, layer_params) in enumerate(zip(layers, params)):
+      begin = time.perf_counter()
+      y, pullback = layer.vjp(layer_params, x, positions)
+      jax.block_until_ready(y)
+      middle = time.perf_counter()
+      jax.block_until_ready(pullback(cotangent))
+      forward[i].append(middle - begin)
+      backward[i].append(time.perf_counter() - middle)
+      del y, pullback
+  return ([statistics.median(t[1:]) for t in forward],
+          [statistics.median(t[1:]) for t in backward])
+
+
+def plan_offload(spec: OffloadSpec, fns: Sequence[Callable[..., Any]], params: Params,
+                 x: jax.ShapeDtypeStruct, positions: jax.Array, *,
+                 remat_policy: Callable[..., bool] | None, seed: int) -> OffloadChoice:
+  """--offload: measures the blocks without offload (a capture of their own, discarded: the
+  training layers' key streams are untouched; one block's residuals alive at a time), the
+  link, and plans.
+
+  `all` is the plan for a budget of 0 bytes (every kept buffer of every block moves).
+  """
+  layers = jg.make_graphed(list(fns), sample_args=[(p, x, positions) for p in params],
+                           rng=jax.random.key(seed), remat_policy=remat_policy,
+                           num_warmup_iters=1)
+  inputs = jax.random.normal(jax.random.key(seed), x.shape, x.dtype)
+  forward, backward = block_seconds(layers, params, inputs, positions)
+  buffers = tuple(tuple(b.nbytes for b in layer.kept_buffers) for layer in layers)
+  names = tuple(layer.name for layer in layers)
+  del layers, inputs
+  # The copies the plan times: one block's residuals (at least 1 MiB, at most 1 GiB).
+  link = jg.offload.measure_link(min(max(max(map(sum, buffers)), 1 << 20), 1 << 30) // 2 * 2)
+  if spec.kind == "slowdown":
+    goal: dict[str, Any] = {"max_slowdown": spec.value}
+  else:
+    goal = {"budget_bytes": int(spec.value) if spec.kind == "memory" else 0}
+  plan = jg.offload.plan(buffers, forward, backward, link, **goal)
+  return OffloadChoice(spec, names, tuple(forward), tuple(backward), buffers, link, plan)
+
+
 # ---------------------------------------------------------------------------------- FSDP
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
@@ -1005,6 +1219,27 @@ def write_sample(model: Llama, fns: Sequence[Callable[..., Any]], params: Params
 # ----------------------------------------------------------------------------------- main
 
 
+OFFLOAD_CONFLICTS = {
+    "--whole-step": "trains through one jax.jit, with no graphed blocks",
+    "--fuse": "replays the blocks as one executable, whose copies cannot start before its end",
+    "--fsdp": "shards the blocks over devices (this example plans for one device)"}
+
+
+def vocab_size(text: str) -> int:
+  """--vocab: a number of BPE tokens, or 'chars' (0)."""
+  if text == "chars":
+    return 0
+  try:
+    size = int(text)
+  except ValueError:
+    size = 0
+  if size <= 257:
+    raise argparse.ArgumentTypeError(
+        f"--vocab takes a number of tokens above 257 (a byte-level BPE starts from 256 byte "
+        f"tokens and an end-of-text token), or 'chars'; got {text!r}")
+  return size
+
+
 def resolve(args: argparse.Namespace) -> Preset:
   """The preset with the flags that override it."""
   return dataclasses.replace(PRESETS[args.preset], **{
@@ -1014,20 +1249,27 @@ def resolve(args: argparse.Namespace) -> Preset:
                                        ("batch", args.batch),
                                        ("attention", args.attention),
                                        ("rounds", args.rounds),
-                                       ("round_steps", args.round_steps)) if value is not None})
+                                       ("round_steps", args.round_steps),
+                                       ("context", args.context),
+                                       ("text", args.text)) if value is not None},
+      # --vocab 0 (chars): characters, the preset's vocab None
+      **({} if args.vocab is None else {"vocab": args.vocab or None}))
 
 
 def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
   """What makes two runs the same run, by flag name: saved with every checkpoint, and
-  compared by --resume (how tokens/s is measured, --check and generation are left out).
-  `fsdp` and `batch` are None where not given (the batch: the preset's), as in checkpoints
-  written before those flags, which therefore still resume."""
+  compared by --resume (how tokens/s is measured, --check, --offload and generation are left
+  out: they change no result). `fsdp`, `batch`, `context`, `text` and `vocab` are None where
+  not given (or given as the preset's), as in checkpoints written before those flags, which
+  therefore still resume. The vocabulary itself is compared by its digest
+  (`check_vocabulary`)."""
   return {"preset": args.preset, "steps": preset.steps, "seed": args.seed,
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
           "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
           "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch,
-          "fuse": True if args.fuse else None}  # None when off, as before the flag
+          "fuse": True if args.fuse else None,  # None when off, as before the flag
+          "context": args.context, "text": args.text, "vocab": args.vocab}
 
 
 def shown_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -1117,6 +1359,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                       help="compute dtype (params are float32 either way)")
   parser.add_argument("--attention", choices=("xla", "cudnn"),
                       help="dot_product_attention implementation (default: the preset's)")
+  parser.add_argument("--context", type=int,
+                      help="tokens per sequence (default: the preset's); e.g. --preset gpu-1b "
+                           "--context 8192 --batch 2")
+  parser.add_argument("--text", choices=sorted(vocab_lib.TEXTS),
+                      help="the training text: 'fables' (examples/data/corpus.txt) or 'stdlib' "
+                           "(this Python's standard library sources); default: the preset's")
+  parser.add_argument("--vocab", type=vocab_size, metavar="N|chars",
+                      help="a byte-level BPE of N tokens trained on the text (once, cached in "
+                           "--cache), or 'chars' for its characters (default: the preset's)")
+  parser.add_argument("--cache", type=pathlib.Path, default=pathlib.Path("runs/cache"),
+                      help="trained tokenizers and encoded texts, keyed by a digest of the "
+                           "text and the vocabulary size (default: runs/cache)")
+  parser.add_argument("--offload", type=offload_spec, default=OffloadSpec("none"),
+                      metavar="none|all|slowdown=P%%|memory=SIZE",
+                      help="keep the blocks' residuals in pinned host memory between forward "
+                           "and backward (async copies), as jaxgraph.offload.plan picks from "
+                           "the blocks' measured times and the measured link: 'all' moves "
+                           "every kept buffer, 'slowdown=5%%' the most bytes predicted to cost "
+                           "at most 5%% of the step, 'memory=4GiB' the fastest choice leaving "
+                           "at most that much on the device per microbatch; prints the "
+                           "measurement per block and the plan (default: none)")
   parser.add_argument("--generate", type=int, default=48,
                       help="tokens to generate at the end (at most half the context; 0: none)")
   parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -1135,7 +1398,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--num-processes", type=int, help="with --coordinator")
   parser.add_argument("--process-id", type=int, help="with --coordinator: 0, 1, ...")
   args = parser.parse_args(argv)
-  for name in ("steps", "stop_after", "microbatches", "batch", "rounds", "round_steps"):
+  for name in ("steps", "stop_after", "microbatches", "batch", "rounds", "round_steps",
+               "context"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} takes a number >= 1, got {getattr(args, name)}")
   for name in ("seed", "generate"):
@@ -1151,8 +1415,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if args.whole_step and args.fuse:
     parser.error("--fuse replays the graphed blocks fused; with --whole-step there are no "
                  "graphed blocks: drop one of them")
-  if args.batch == PRESETS[args.preset].batch:
-    args.batch = None  # the preset's: the same run as without the flag (--resume compares)
+  if args.offload.kind != "none":
+    for flag, given in (("--whole-step", args.whole_step), ("--fuse", args.fuse),
+                        ("--fsdp", args.fsdp is not None)):
+      if given:
+        parser.error(f"--offload plans the copies of each graphed block beside the next "
+                     f"blocks' compute; {flag} {OFFLOAD_CONFLICTS[flag]}: drop one of them")
+  if args.offload.kind == "slowdown" and not 0 <= args.offload.value < 10:
+    parser.error(f"--offload slowdown= takes a fraction of the step in [0, 10) (e.g. 5%), got "
+                 f"{args.offload.value}")
+  preset_fields = PRESETS[args.preset]
+  # The preset's value: the same run as without the flag (--resume compares).
+  if args.batch == preset_fields.batch:
+    args.batch = None
+  if args.context == preset_fields.context:
+    args.context = None
+  if args.text == preset_fields.text:
+    args.text = None
+  if args.vocab is not None and (args.vocab or None) == preset_fields.vocab:
+    args.vocab = None
   preset = resolve(args)
   if preset.attention == "cudnn" and args.dtype != "bfloat16":
     parser.error("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
@@ -1162,6 +1443,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if args.resume:
     check_resume(parser, args.out, run_config(args, preset), preset.steps,
                  min(preset.steps, args.stop_after or preset.steps), shown=shown_config)
+    check_vocabulary(parser, args.out, preset, args.cache)
   return args
 
 
@@ -1183,15 +1465,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"process(es), each batch split over them ({preset.batch // mesh.size} "
           "sequences per device and microbatch)")
 
-  corpus = Corpus(CORPUS, preset.context, preset.batch, args.seed, held_out=0.1,
-                  sharding=None if mesh is None else fsdp.batch_sharding(mesh))
-  config = model_config(preset, len(corpus.chars), untied=args.untied, dtype=args.dtype)
+  text, corpus = make_corpus(preset, args.seed, args.cache,
+                             sharding=None if mesh is None else fsdp.batch_sharding(mesh))
+  vocabulary = vocabulary_record(text, corpus.vocabulary)
+  print(f"vocabulary: {corpus.vocabulary} of the {text.name}"
+        + (", trained now" if getattr(corpus.vocabulary, "trained", False) else ""))
+  config = model_config(preset, corpus.vocabulary.size, untied=args.untied, dtype=args.dtype)
   model = Llama(config, rngs=nnx.Rngs(params=args.seed))
 
   fns, params = split(model)
   count = sum(x.size for x in jax.tree.leaves(params))
   print(f"{count:,} params ({len(params)} parts), vocab {config.vocab}, {len(corpus.ids):,} "
-        f"training and {len(corpus.held_out_ids):,} held-out characters; training state "
+        f"training and {len(corpus.held_out_ids):,} held-out tokens; training state "
         f"{state_bytes(count) / 1e9:.2f} GB (float32 params, AdamW moments, summed grads, one "
         "microbatch's grads)")
   policy = RESIDUAL_POLICIES[args.residuals]
@@ -1213,11 +1498,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   table = tied_inputs(params, config)
   sample_args = ([(params[0], tokens)] + [(p, x, positions) for p in params[1:-1]]
                  + [(params[-1], x, tokens, *table)])
+  offload = None
+  if args.offload.kind != "none":
+    offload = plan_offload(args.offload, fns[1:-1], params[1:-1], x, positions,
+                           remat_policy=policy, seed=args.seed)
+    print(f"--offload {offload.spec}: the blocks measured without offload (times: median of 3, "
+          f"each run alone), the link {offload.link.to_host / 1e9:.1f} GB/s to host, "
+          f"{offload.link.to_device / 1e9:.1f} GB/s back\n{offload.table()}\n{offload.plan}")
   begin = time.perf_counter()
   train_layers = (None if args.whole_step else
                   build_layers(fns, sample_args, graph_ends=graph_ends,
                                rng=jax.random.key(args.seed), remat_policy=policy,
-                               **placement.hooks()))
+                               **placement.hooks(),
+                               **({} if offload is None else offload.options(graph_ends))))
   eval_layers = build_layers(fns, sample_args, graph_ends=graph_ends, inference_only=True,
                              **placement.hooks())
   capture_seconds = time.perf_counter() - begin
@@ -1232,8 +1525,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"compiles {s.compiles}  compile {s.compile_seconds:.2f} s")
   if train_layers is not None:
     kept = sum(layer.stats.residual_bytes for layer in graphed(train_layers))
+    moved = sum(layer.stats.offload_bytes for layer in graphed(train_layers))
     print(f"  one microbatch's graphed forwards keep {kept / 1e9:.3f} GB of residuals for their "
-          "backwards (Stats.residual_bytes)")
+          "backwards (Stats.residual_bytes)"
+          + (f", {moved / 1e9:.3f} GB of them in host memory (Stats.offload_bytes)"
+             if offload is not None else ""))
 
   tx = optimizer(preset, total)
   if placement.mesh is None:
@@ -1303,7 +1599,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if save:
       history = {"losses": losses, "eval_losses": eval_losses}
       checkpoints.save(step, params, opt_state, trainer.streams(),
-                       {"config": run_config(args, preset), **history})
+                       {"config": run_config(args, preset), "vocabulary": vocabulary,
+                        **history})
       if writer:
         with checkpoints.writing(metrics_path):  # for reading; resume needs it not
           write_json(metrics_path, {"step": step, **history})
@@ -1318,7 +1615,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "eval_losses": eval_losses, "final_loss": losses[-1] if losses else None,
       "train_seconds": round(timer.seconds, 3), "capture_seconds": round(capture_seconds, 3),
       "tokens_per_second": loop["median"], "throughput": {"loop": loop},
-      "params_sha256": params_digest(placement.host(params)),
+      "params_sha256": params_digest(placement.host(params)), "vocabulary": vocabulary,
+      "offload": None if offload is None else offload.summary(),
       "stats": {f"{kind} {layer.name}": layer.stats._asdict()
                 for kind, layers in kinds for layer in graphed(layers)},
   }
