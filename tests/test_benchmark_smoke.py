@@ -116,3 +116,22 @@ def test_offload_bench_variant_names():
   assert bench.parse_variant("exe-all", 2).mode == "executable"
   assert bench.parse_variant("async-min64", 2).min_bytes == 64 << 20
   assert bench.parse_variant("async-names", 2).names == ("matmul_input",)
+
+
+def test_lora_bench_tiny_reports_both_variants(tmp_path):
+  """benchmarks/lora_bench.py times the backward of a LoRA stack with and without
+  `grad_mask`; its masked backward has the two frozen base weights' dW matmuls fewer."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  run = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "lora_bench.py"), "--tiny", "--out",
+       str(tmp_path)],
+      capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert run.returncode == 0, run.stderr[-4000:]
+  assert "| lora |" in run.stdout and "lora / full:" in run.stdout
+  with open(tmp_path / "lora_bench.json") as f:
+    result = json.load(f)
+  full, lora = result["variants"]["full"], result["variants"]["lora"]
+  for variant in (full, lora):
+    assert len(variant["rounds_ms"]) == 3 and variant["backward_ms"] > 0
+  assert lora["backward_dots_per_layer"] == full["backward_dots_per_layer"] - 2
