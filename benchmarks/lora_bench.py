@@ -10,7 +10,8 @@ Per round, each variant (in alternating order) runs `--iters` backward passes of
 stack: the forward replayed first (`sequential_vjp`), the device drained, then the timer
 covers `pullback(ct)` until its gradients are ready. The round's value is the median of its
 passes; the table gives, per variant, the median over rounds and the spread (max - min over
-rounds, in % of that median), and the matmuls (HLO `dot`s) of one layer's compiled backward.
+rounds, in % of that median), and the matmuls of one layer's compiled backward (`dot`s and
+cuBLAS calls).
 The host enqueues one backward executable per layer (tens of microseconds each) while the
 device runs them, so at the default sizes the time measured is the device's.
 
@@ -69,10 +70,12 @@ def build(variant: str, params: list[Any], x: jax.Array) -> tuple[jg.GraphedCall
                          grad_mask=MASK if variant == "lora" else None)
 
 
-def backward_dots(layer: jg.GraphedCallable) -> int:
-  """The matmuls of a layer's compiled backward (also those inside fusions)."""
+def backward_matmuls(layer: jg.GraphedCallable) -> int:
+  """The matmuls of a layer's compiled backward: `dot`s (also inside fusions, as a Triton
+  GEMM's) and cuBLAS calls (which replace a `dot` on the GPU)."""
   (entry,) = layer._entries.values()
-  return len(re.findall(r"\bdot\(", entry.backward["full"][0].as_text()))
+  return len(re.findall(r'\bdot\(|custom_call_target="__cublas',
+                        entry.backward["full"][0].as_text()))
 
 
 def time_backward(layers: tuple[jg.GraphedCallable, ...], params: list[Any], x: jax.Array,
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   for variant in VARIANTS:
     median, spread = median_spread(rounds[variant])
     results[variant] = dict(backward_ms=median, spread_pct=spread, rounds_ms=rounds[variant],
-                            backward_dots_per_layer=backward_dots(stacks[variant][0]),
+                            backward_matmuls_per_layer=backward_matmuls(stacks[variant][0]),
                             residual_bytes_per_layer=stacks[variant][0].stats.residual_bytes)
   return dict(
       config=dict(d=args.d, rank=args.rank, layers=args.layers, tokens=args.tokens,
@@ -128,7 +131,7 @@ def table(result: dict[str, Any]) -> str:
           "residual bytes per layer |", "| --- | --- | --- | --- | --- |"]
   for variant, r in result["variants"].items():
     rows.append(f"| {variant} | {r['backward_ms']:.3f} | {r['spread_pct']:.1f}% | "
-                f"{r['backward_dots_per_layer']} | {r['residual_bytes_per_layer']} |")
+                f"{r['backward_matmuls_per_layer']} | {r['residual_bytes_per_layer']} |")
   c = result["config"]
   rows.append(f"\nlora / full: {result['lora_over_full']:.3f} ({c['layers']} layers, d={c['d']}, "
               f"rank {c['rank']}, {c['tokens']} tokens, {c['dtype']}, {result['device']}; "

@@ -84,10 +84,9 @@ def mask_flags(grad_mask: Any, args: tuple[Any, ...]) -> tuple[bool, ...] | None
     per_leaf = jax.tree.map(lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)),
                             prefix, tuple(args))
   except ValueError as e:
-    raise ValueError(
-        f"grad_mask does not fit the positional arguments: it must be a pytree prefix of "
-        f"them (a bool per argument, or a tree of bools over an argument's own structure), "
-        f"e.g. {example}. JAX says: {e}") from None
+    where = str(e).replace("tree_map tree", "args")  # JAX's name of the tree, here args
+    raise ValueError(f"grad_mask does not fit the positional arguments: it must be a pytree "
+                     f"prefix of them, e.g. {example}. JAX says: {where}") from None
   return tuple(jax.tree.leaves(per_leaf))
 
 

@@ -134,4 +134,4 @@ def test_lora_bench_tiny_reports_both_variants(tmp_path):
   full, lora = result["variants"]["full"], result["variants"]["lora"]
   for variant in (full, lora):
     assert len(variant["rounds_ms"]) == 3 and variant["backward_ms"] > 0
-  assert lora["backward_dots_per_layer"] == full["backward_dots_per_layer"] - 2
+  assert lora["backward_matmuls_per_layer"] == full["backward_matmuls_per_layer"] - 2

@@ -10,7 +10,6 @@ fallback and a user's transformation.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -19,9 +18,11 @@ import numpy as np
 import pytest
 
 import jaxgraph as jg
+from jaxgraph import capture as capture_lib
 from jaxgraph import offload as offload_lib
+from jaxgraph import rng as rng_lib
 from jaxgraph import schedule
-from models import trees_equal
+from models import assert_equal_or_close, trees_equal
 
 D, R, T = 16, 4, 8
 
@@ -75,14 +76,31 @@ def sgd(p: Any, g: Any) -> Any:
       lambda path, p, g: p if path[-1].key == "w" else p - 0.01 * g, p, g)
 
 
-def backward_hlo(layer: jg.GraphedCallable, kind: str = "full") -> str:
+def _dot_generals(jaxpr: Any) -> int:
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  return sum((eqn.primitive.name == "dot_general")
+             + sum(_dot_generals(sub) for sub in rng_lib._subjaxprs(eqn))
+             for eqn in jaxpr.eqns)
+
+
+def dots(layer: jg.GraphedCallable, kind: str = "full") -> int:
+  """The matmuls of the backward executable `layer` replays, as handed to XLA (its jaxpr,
+  traced again from the inputs the executable was compiled for): backend-independent,
+  where the GPU's compiled HLO calls cuBLAS instead of `dot`."""
   (entry,) = layer._entries.values()
-  return entry.backward[kind][0].as_text()
+  compiled, select = entry.backward[kind]
+  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+           for a in compiled.in_avals[0]]
+  backward = capture_lib._backward_fn(entry.layout, select, entry.moved)
+  return _dot_generals(jax.make_jaxpr(backward)(*specs))
 
 
-def dots(hlo: str) -> int:
-  """The matmuls of an executable's HLO text (also those inside fusions)."""
-  return len(re.findall(r"\bdot\(", hlo))
+def close(a: Any, b: Any) -> None:
+  """Bitwise on CPU. On GPU up to TF32 rounding: a masked backward is another program than
+  the full one (no dW matmul), autotuned and fused on its own."""
+  assert_equal_or_close(a, b, gpu_rtol=1e-3, gpu_atol=1e-5,
+                        why="the masked and the full backward are different programs, "
+                            "whose float32 matmuls run in TF32 with their own kernels")
 
 
 _ref_vjp = jax.jit(lambda p, x, ct: jax.vjp(lora_block, p, x)[1](ct))
@@ -100,12 +118,13 @@ def test_lora_block_trains_the_adapters_bitwise_over_steps():
     y_full, pullback_full = full.vjp(p, X)
     g_full = pullback_full(CT)
     g_ref = _ref_vjp(p, X, CT)
-    assert trees_equal(y, y_full)
+    close(y, y_full)
     for name, shape in (("up", (D, 2 * D)), ("down", (2 * D, D))):
       assert is_float0(g_p[name]["w"], shape)
-    assert trees_equal(trainable(g_p), trainable(g_full[0]))
-    assert trees_equal(trainable(g_p), trainable(g_ref[0]))
-    assert trees_equal(g_x, g_full[1]) and trees_equal(g_x, g_ref[1])
+    close(trainable(g_p), trainable(g_full[0]))
+    close(trainable(g_p), trainable(g_ref[0]))
+    close(g_x, g_full[1])
+    close(g_x, g_ref[1])
     p = sgd(p, g_p)
   assert masked.stats.captures == 1 and masked.stats.backward_replays == 3
 
@@ -118,14 +137,17 @@ def test_masked_backward_has_no_weight_gradient_matmul():
   full = jg.make_graphed(lora_block, sample_args=(p, X), num_warmup_iters=0)
   # per LoRA linear, the full backward's matmuls: dW, dx through w, d(xa) through b, db,
   # da, dx through a
-  assert dots(backward_hlo(full)) == 12
-  assert dots(backward_hlo(masked)) == 10
+  assert dots(full) == 12
+  assert dots(masked) == 10
+  if jax.default_backend() == "cpu":  # the compiled HLO too (a GPU's calls cuBLAS instead)
+    hlo = [next(iter(g._entries.values())).backward["full"][0].as_text() for g in (full, masked)]
+    assert [text.count(" dot(") for text in hlo] == [12, 10]
   assert masked.stats.residual_bytes <= full.stats.residual_bytes
   # Only x: the params' 8 matmuls of the full backward are gone (dx through w and through
   # the adapters are left, 2 per linear).
   x_only = jg.make_graphed(lora_block, sample_args=(p, X), grad_mask=(False, True),
                            num_warmup_iters=0)
-  assert dots(backward_hlo(x_only)) == 6
+  assert dots(x_only) == 6
 
 
 def test_whole_arguments_and_a_function_of_the_arguments():
@@ -138,7 +160,7 @@ def test_whole_arguments_and_a_function_of_the_arguments():
   g_p, g_x = whole.vjp(p, X)[1](CT)
   assert all(leaf.dtype == jax.dtypes.float0 for leaf in jax.tree.leaves(g_p))
   assert jax.tree.structure(g_p) == jax.tree.structure(p)
-  assert trees_equal(g_x, g_full[1])
+  close(g_x, g_full[1])
   seen = []
 
   def by_name(params, x):
@@ -149,8 +171,9 @@ def test_whole_arguments_and_a_function_of_the_arguments():
   called = jg.make_graphed(lora_block, sample_args=(p, X), grad_mask=by_name,
                            num_warmup_iters=0)
   g_p, g_x = called.vjp(p, X)[1](CT)
-  assert trees_equal(trainable(g_p), trainable(g_full[0])) and trees_equal(g_x, g_full[1])
-  assert dots(backward_hlo(called)) == 10
+  close(trainable(g_p), trainable(g_full[0]))
+  close(g_x, g_full[1])
+  assert dots(called) == 10
   assert set(seen) == {jax.ShapeDtypeStruct}  # checked and captured from abstract args
 
 
@@ -161,16 +184,17 @@ def test_delay_wgrad_defers_only_the_trainable_weights():
                           num_warmup_iters=1)
   y, pullback = layer.vjp(p, X)
   g_p, g_x = pullback(CT)
-  assert g_p is None and trees_equal(g_x, g_ref[1])
+  assert g_p is None
+  close(g_x, g_ref[1])
   w_p, w_x = pullback.wgrad()
   assert w_x is None and is_float0(w_p["up"]["w"], (D, 2 * D))
-  assert trees_equal(trainable(w_p), trainable(g_ref[0]))
+  close(trainable(w_p), trainable(g_ref[0]))
   unmasked = jg.make_graphed(lora_block, sample_args=(p, X), delay_wgrad=True,
                             num_warmup_iters=0)
-  # the wgrad executable, which also recomputes the cotangents its dW need, loses the two
-  # frozen weights' dW matmuls; the dgrad executable is unchanged
-  assert dots(backward_hlo(unmasked, "wgrad")) - dots(backward_hlo(layer, "wgrad")) == 2
-  assert dots(backward_hlo(unmasked, "dgrad")) == dots(backward_hlo(layer, "dgrad"))
+  # the VJP of both executables (before XLA drops what their outputs do not need) lacks
+  # the two frozen weights' dW matmuls
+  for kind in ("dgrad", "wgrad"):
+    assert dots(unmasked, kind) - dots(layer, kind) == 2
 
 
 def test_rng_keys_thread_through_a_masked_backward():
@@ -181,7 +205,8 @@ def test_rng_keys_thread_through_a_masked_backward():
   g_p, g_x = layer.vjp(p, X, key=key)[1](CT)
   ref = jax.jit(lambda p, x, ct: jax.vjp(lambda p, x: dropout_lora_block(p, x, key=key),
                                          p, x)[1](ct))(p, X, CT)
-  assert trees_equal(trainable(g_p), trainable(ref[0])) and trees_equal(g_x, ref[1])
+  close(trainable(g_p), trainable(ref[0]))
+  close(g_x, ref[1])
   assert is_float0(g_p["down"]["w"], (2 * D, D))
 
 
@@ -208,12 +233,13 @@ def test_sequential_vjp_with_a_mask_matches_the_full_backward(fuse):
   full = jg.make_graphed(fns, sample_args=samples, num_warmup_iters=0)
   got, want = _train(masked, params, fuse=fuse), _train(full, params)
   for (y, grads, g_x), (y_ref, grads_ref, g_x_ref) in zip(got, want):
-    assert trees_equal(y, y_ref) and trees_equal(g_x, g_x_ref)
-    assert trees_equal([trainable(g) for g in grads], [trainable(g) for g in grads_ref])
+    close(y, y_ref)
+    close(g_x, g_x_ref)
+    close([trainable(g) for g in grads], [trainable(g) for g in grads_ref])
     assert all(is_float0(g["up"]["w"], (D, 2 * D)) for g in grads)
   if fuse:  # one fused backward for the stack, without the frozen weights' matmuls
     (segment,) = masked[0]._config.segments.values()
-    assert dots(backward_hlo(segment)) == 3 * 10
+    assert dots(segment) == 3 * 10
 
 
 def test_a_mask_on_the_carried_input_is_refused_before_anything_runs():
@@ -265,6 +291,14 @@ def test_pipeline_order_with_a_mask():
   got = [result.grads[0][0], result.grads[1][0]]
   assert trees_equal([trainable(g) for g in got], [trainable(g) for g in totals])
   assert all(is_float0(g["down"]["w"], (2 * D, D)) for g in got)
+  # The second chunk's input is the first chunk's output: it must keep its gradient.
+  no_x = jg.make_graphed(fns, sample_args=[(p, X) for p in params], order=order,
+                         grad_mask=(PARAMS_MASK, False), num_warmup_iters=0)
+  with pytest.raises(ValueError, match=r"Pipeline: the grad_mask of lora_block\[1\] leaves "
+                                       r"out \(part of\) its input x"):
+    schedule.Pipeline([[no_x[0]], [no_x[1]]], order, loss_fn=loss)(
+        [[params[0]], [params[1]]], inputs, targets)
+  assert no_x[0].stats.replays == 0
 
 
 def test_flat_buffers_masked_by_group():
@@ -281,8 +315,9 @@ def test_flat_buffers_masked_by_group():
   names = [spec.name for spec in flat.layout.buffers]
   frozen, lora = names.index("frozen.float32"), names.index("lora.float32")
   assert g_flat.buffers[frozen].dtype == jax.dtypes.float0
-  assert trees_equal(g_flat.buffers[lora], g_ref.buffers[lora]) and trees_equal(g_x, g_x_ref)
-  assert dots(backward_hlo(masked)) == 10
+  close(g_flat.buffers[lora], g_ref.buffers[lora])
+  close(g_x, g_x_ref)
+  assert dots(masked) == 10
 
 
 def test_nnx_lora_layer_masked_by_variable_type():
@@ -299,8 +334,9 @@ def test_nnx_lora_layer_masked_by_variable_type():
   g_ref, g_x_ref = full.vjp(params, X)[1](CT)
   assert g["kernel"][...].dtype == jax.dtypes.float0
   assert g["bias"][...].dtype == jax.dtypes.float0
-  assert trees_equal(g["lora"], g_ref["lora"]) and trees_equal(g_x, g_x_ref)
-  assert dots(backward_hlo(masked)) < dots(backward_hlo(full))
+  close(g["lora"], g_ref["lora"])
+  close(g_x, g_x_ref)
+  assert dots(masked) < dots(full)
 
 
 def test_fallback_and_transformations_follow_the_mask():
@@ -315,9 +351,10 @@ def test_fallback_and_transformations_follow_the_mask():
     g_p, g_x = layer.vjp(p, x3)[1](CT[:3])
   assert layer.stats.fallbacks == 1
   assert is_float0(g_p["up"]["w"], (D, 2 * D))
-  assert trees_equal(trainable(g_p), trainable(g_ref[0])) and trees_equal(g_x, g_ref[1])
+  close(trainable(g_p), trainable(g_ref[0]))
+  close(g_x, g_ref[1])
   traced = jax.jit(lambda p, x, ct: layer.vjp(p, x)[1](ct))(p, X, CT)
   assert is_float0(traced[0]["up"]["w"], (D, 2 * D))
   grads = jax.jit(jax.grad(lambda p: jnp.sum(layer(p, X) * CT)))(p)
   assert not np.any(grads["up"]["w"]) and not np.any(grads["down"]["w"])
-  assert trees_equal(trainable(grads), trainable(_ref_vjp(p, X, CT)[0]))
+  close(trainable(grads), trainable(_ref_vjp(p, X, CT)[0]))
