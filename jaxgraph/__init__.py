@@ -13,6 +13,7 @@ from jaxgraph import offload
 from jaxgraph import residuals
 from jaxgraph import schedule
 from jaxgraph.api import make_graphed
+from jaxgraph.capture import ConstantWeightWarning
 from jaxgraph.chain import sequential_vjp
 from jaxgraph.graphed import GraphedCallable, Pullback, Stats
 from jaxgraph.hooks import HookEvent, Hooks, is_capturing
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 _LAZY_SUBMODULES = ("flax",)
 
 __all__ = [
+    "ConstantWeightWarning",
     "GraphedCallable",
     "HookEvent",
     "Hooks",

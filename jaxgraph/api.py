@@ -9,7 +9,9 @@ distinct signature once), warm up. Capture and warmup run under `hooks.capturing
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
+import sys
 from typing import Any, Callable, Sequence
 
 import jax
@@ -19,6 +21,7 @@ import numpy as np
 from jaxgraph import graphed as graphed_lib
 from jaxgraph import hooks as hooks_lib
 from jaxgraph import offload as offload_lib
+from jaxgraph import pullback as pullback_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph import schedule as schedule_lib
 from jaxgraph import signature as sig_lib
@@ -31,9 +34,44 @@ _ON_NEW_SIGNATURE = ("capture", "error")
 PER_LAYER_PLATFORMS = frozenset({"gpu"})
 
 
+def _flax_module(fn: Any) -> str | None:
+  """"NNX" or "Linen" where `fn` is a Flax module, or a method of an NNX module or of a bound
+  Linen module: a callable that reads its weights from itself, not from its arguments.
+  Flax is not imported here: a module exists only where the user imported it."""
+  nnx, linen = sys.modules.get("flax.nnx"), sys.modules.get("flax.linen")
+  owner = getattr(fn, "__self__", None)
+  if nnx is not None and (isinstance(fn, nnx.Module) or isinstance(owner, nnx.Module)):
+    return "NNX"
+  if linen is not None and (isinstance(fn, linen.Module) or (
+      isinstance(owner, linen.Module) and owner.scope is not None)):
+    return "Linen"
+  return None
+
+
+def _refuse_flax_module(fn: Any, where: str) -> None:
+  """A Flax module given as a layer function would be captured with its weights as
+  constants of the executables: no gradient for them, and later updates unseen."""
+  kind = _flax_module(fn)
+  if kind is None:
+    return
+  split = ("fn, params = jaxgraph.flax.nnx_layer(module)" if kind == "NNX" else
+           "fn, params = jaxgraph.flax.linen_layer(module, variables)")
+  owner = getattr(fn, "__self__", None)
+  what = (f"a method of a Flax {kind} module ({type(owner).__name__}.{fn.__name__})"
+          if owner is not None else f"a Flax {kind} module ({type(fn).__name__})")
+  raise TypeError(
+      f"make_graphed got {what} as {where}. make_graphed captures functions of their "
+      "arguments, and a module reads its weights from itself: they would become constants "
+      "of the executables, the pullback would return no gradient for them, and updating "
+      "the module would not change the graphed layer. Split it into a pure function and "
+      f"its params first: {split}; then make_graphed(fn, sample_args=(params, x)) and "
+      "layer.vjp(params, x) (docs/quickstart.md).")
+
+
 def _as_callables(fns: Callable[..., Any] | Sequence[Callable[..., Any]]
                   ) -> tuple[list[Callable[..., Any]], bool]:
   if callable(fns):
+    _refuse_flax_module(fns, "fns")
     return [fns], True
   if isinstance(fns, (str, bytes)) or not isinstance(fns, Sequence):
     raise TypeError(f"make_graphed takes a callable or a sequence of callables, got "
@@ -44,6 +82,7 @@ def _as_callables(fns: Callable[..., Any] | Sequence[Callable[..., Any]]
   for i, fn in enumerate(fns):
     if not callable(fn):
       raise TypeError(f"make_graphed: fns[{i}] is a {type(fn).__name__}, not a callable.")
+    _refuse_flax_module(fn, f"fns[{i}]")
   return fns, False
 
 
@@ -285,12 +324,13 @@ def _check_wgrad_argnums(wgrad_argnums: Any, samples: Sequence[tuple[Any, ...]],
 
 def _check_inference_only(inference_only: Any, *, delay_wgrad: bool,
                           order: Sequence[float] | None, offload: bool,
-                          remat_policy: Callable[..., bool] | None) -> bool:
+                          remat_policy: Callable[..., bool] | None, grad_mask: Any) -> bool:
   _check_bool("inference_only", inference_only)
   conflicts = [name for name, given in (("delay_wgrad", delay_wgrad),
                                         ("offload_residuals", offload),
                                         ("order", order is not None),
-                                        ("remat_policy", remat_policy is not None)) if given]
+                                        ("remat_policy", remat_policy is not None),
+                                        ("grad_mask", grad_mask is not None)) if given]
   if inference_only and conflicts:
     raise ValueError(
         f"make_graphed got inference_only=True together with {' and '.join(conflicts)}, "
@@ -321,14 +361,68 @@ def _check_donate_argnums(donate_argnums: Any, samples: Sequence[tuple[Any, ...]
   return argnums
 
 
+def _check_grad_mask(grad_mask: Any, samples: Sequence[tuple[Any, ...]]) -> None:
+  """`grad_mask` fits every callable's sample_args (a callable mask is called with their
+  `jax.ShapeDtypeStruct`s, as at every capture)."""
+  for i, args in enumerate(samples):
+    try:
+      pullback_lib.mask_flags(grad_mask, _abstract_tree(args))
+    except (TypeError, ValueError) as e:
+      raise type(e)(f"grad_mask, for sample_args[{i}]: {e}") from None
+
+
 def _check_sample_leaves(samples: Sequence[tuple[Any, ...]]) -> None:
-  """Every sample_args leaf is an array or a ShapeDtypeStruct (a signature can be taken)."""
+  """Every sample_args leaf is an array or a ShapeDtypeStruct (a signature can be taken),
+  and none is a tracer (make_graphed called under a JAX transformation)."""
   for i, args in enumerate(samples):
     leaves, treedef = jax.tree.flatten(args)
+    traced = [path for path, leaf in zip(sig_lib.leaf_paths(treedef), leaves)
+              if isinstance(leaf, jax.core.Tracer)]
+    if traced:
+      raise TypeError(
+          f"sample_args[{i}]: argument {traced[0]} is a tracer: make_graphed was called "
+          "inside jax.jit, jax.grad or jax.vmap (or given a traced value). make_graphed runs "
+          "outside JAX transformations, on concrete sample_args (arrays or "
+          "jax.ShapeDtypeStructs): call it once before your jitted step, and call the "
+          "graphed callables inside it (under a transformation they run the function).")
     try:
       sig_lib.signature_of(leaves, treedef)
     except TypeError as e:
       raise TypeError(f"sample_args[{i}]: {e}") from None
+
+
+def _check_key_parameter(fns: Sequence[Callable[..., Any]],
+                         samples: Sequence[tuple[Any, ...]], *, rng: bool) -> None:
+  """A function that needs `key=` has rng=True, and one given rng=True takes `key=`.
+
+  Judged by binding the sample_args with and without `key=` to the function's signature:
+  only a call that binds one way and not the other is refused (a function without a
+  signature to read, or that fails both ways, is left to its trace).
+  """
+  for i, (fn, args) in enumerate(zip(fns, samples)):
+    try:
+      signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+      continue
+
+    def binds(**key: Any) -> bool:
+      try:
+        signature.bind(*args, **key)
+      except TypeError:
+        return False
+      return True
+
+    name = f"{getattr(fn, '__name__', type(fn).__name__)} (fns[{i}])"
+    if not rng and binds(key=None) and not binds():
+      raise TypeError(
+          f"{name} takes a key= parameter, but make_graphed was called without rng=True, "
+          "so no key would be passed. Pass make_graphed(..., rng=True): each forward then "
+          "gets a fresh key and its backward the same one (docs/rng.md).")
+    if rng and binds() and not binds(key=None):
+      raise TypeError(
+          f"make_graphed got rng=True, which calls every function with key=..., but {name} "
+          f"has no key parameter. Add one (def {getattr(fn, '__name__', 'fn')}(params, x, "
+          "*, key)), or drop rng=True.")
 
 
 def _seed(rng: Any) -> jax.Array | None:
@@ -413,7 +507,7 @@ def _check_offload(offloaded: bool, mode: Any, min_bytes: Any,
 def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
                   delay_wgrad: bool, wgrad_argnums: Any, max_captures: Any,
                   on_new_signature: Any, remat_policy: Any, inference_only: Any,
-                  donate_argnums: Any, per_layer_executables: Any,
+                  donate_argnums: Any, per_layer_executables: Any, grad_mask: Any,
                   offload: offload_lib.Policy) -> graphed_lib.Config:
   """Step 1b: the settings every callable shares, checked against the sample_args."""
   _check_int("max_captures", max_captures, minimum=1)
@@ -424,16 +518,19 @@ def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
     offload_lib.check_backend_supports_offload()
   wgrad = _check_wgrad_argnums(wgrad_argnums, layers.flat_samples, delay_wgrad=delay_wgrad)
   _check_sample_leaves(layers.flat_samples)
+  _check_key_parameter(layers.fns, [rows[0] for rows in layers.samples], rng=rng)
   inference_only = _check_inference_only(inference_only, delay_wgrad=delay_wgrad, order=order,
-                                         offload=any(layers.offload), remat_policy=remat_policy)
+                                         offload=any(layers.offload), remat_policy=remat_policy,
+                                         grad_mask=grad_mask)
   donated = _check_donate_argnums(donate_argnums, layers.flat_samples,
                                   inference_only=inference_only)
+  _check_grad_mask(grad_mask, layers.flat_samples)
   return graphed_lib.Config(rng=rng, delay_wgrad=delay_wgrad, wgrad_argnums=wgrad,
                             max_captures=max_captures, on_new_signature=on_new_signature,
                             inference_only=inference_only, remat_policy=remat_policy,
                             donate_argnums=donated,
                             per_layer_executables=_check_per_layer_executables(
-                                per_layer_executables), offload=offload)
+                                per_layer_executables), offload=offload, grad_mask=grad_mask)
 
 
 def _check_warmup(num_warmup_iters: Any, pre_warmup_hook: Any, post_warmup_hook: Any) -> int:
@@ -496,6 +593,7 @@ def make_graphed(
     num_layers_per_chunk: int | Sequence[int] | None = None,
     delay_wgrad: bool = False,
     wgrad_argnums: Sequence[int] = (0,),
+    grad_mask: Any = None,
     offload_residuals: bool | Sequence[bool] = False,
     offload_mode: offload_lib.Mode = "async",
     offload_min_bytes: int = 0,
@@ -543,6 +641,18 @@ def make_graphed(
     delay_wgrad: split each backward into dgrad (returned by the pullback) and wgrad
       (`pullback.wgrad()`), as separate executables.
     wgrad_argnums: the positional arguments that are weights (for `delay_wgrad`).
+    grad_mask: which argument leaves get gradients, as torch's `requires_grad` and optax's
+      masks: a pytree prefix of the positional arguments with bool leaves (True:
+      differentiated), each covering the subtree it sits over: `(False, True)` for no
+      gradient of the first argument, `({"w": False, "lora": True}, True)` for a frozen
+      weight `w`, `jaxgraph.flat.mask(...)` over a FlatTree's groups. Or a function of
+      the positional arguments returning one (called with `jax.ShapeDtypeStruct`s at
+      capture, with the arguments under a JAX transformation). One mask for every
+      callable. The backward computes nothing for a leaf the mask leaves out (no weight
+      gradient matmul, and the forward keeps no residual only that gradient would read);
+      its gradient is a float0 zero, as an integer leaf's is (`jax.vjp`). Under a user's
+      transformation those leaves are `jax.lax.stop_gradient`ed. None (the default): every
+      float leaf.
     offload_residuals: keep forward residuals in pinned host memory until the backward; a bool
       or one bool per callable (`jaxgraph.offload.plan` picks them from measured times).
       Results are bitwise those without offload (docs/offload.md).
@@ -609,7 +719,11 @@ def make_graphed(
       them, `sample_args` entries that are not tuples or hold leaves that are not arrays
       (or `jax.ShapeDtypeStruct`s), a flag that is not a bool, a count or argnum that is
       not an int (bools are not counts), hooks that are not `jaxgraph.Hooks`, warmup hooks
-      or `remat_policy` that are not callable, `rng` neither a bool nor a typed key, `order`
+      or `remat_policy` that are not callable, `grad_mask` leaves that are not bools,
+      `sample_args` holding tracers (make_graphed under `jax.jit`: call it outside), a
+      Flax module as a function (split it with `jaxgraph.flax.nnx_layer` /
+      `linen_layer`), a function that needs `key=` without `rng=True` or one without a
+      `key` parameter with it, `rng` neither a bool nor a typed key, `order`
       entries or `num_layers_per_chunk` that are not ints, `offload_names` not a sequence
       of strings.
       Errors raised while tracing or compiling a function propagate, with a note naming
@@ -618,8 +732,9 @@ def make_graphed(
       of `sample_args` (or hooks, or offload flags) that does not match the callables, a
       count below its minimum, an unknown `on_new_signature`, an invalid `order` or
       `num_layers_per_chunk`, an argnum out of range (or repeated in `donate_argnums`),
-      `inference_only=True` with `delay_wgrad`, `offload_residuals`, `order` or
-      `remat_policy`, `donate_argnums` without `inference_only=True`, an unknown
+      `inference_only=True` with `delay_wgrad`, `offload_residuals`, `order`,
+      `remat_policy` or `grad_mask`, a `grad_mask` whose structure is not a prefix of
+      the positional arguments, `donate_argnums` without `inference_only=True`, an unknown
       `offload_mode`, `offload_min_bytes` or `offload_names` without an offloaded layer
       (or empty names), and `offload_residuals` on a backend without pinned host memory.
       Each error names the argument; all are raised before anything is traced or a hook
@@ -634,7 +749,7 @@ def make_graphed(
                          wgrad_argnums=wgrad_argnums, max_captures=max_captures,
                          on_new_signature=on_new_signature, remat_policy=remat_policy,
                          inference_only=inference_only, donate_argnums=donate_argnums,
-                         per_layer_executables=per_layer_executables,
+                         per_layer_executables=per_layer_executables, grad_mask=grad_mask,
                          offload=_check_offload(any(layers.offload), offload_mode,
                                                 offload_min_bytes, offload_names))
   built = _build_callables(layers, config, seed)

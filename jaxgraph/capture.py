@@ -106,7 +106,7 @@ class Layout:
   res_treedef: Any
   sources: tuple[Source, ...]
   packing: Packing
-  diff: tuple[int, ...]             # argument leaves that get gradients (inexact dtypes)
+  diff: tuple[int, ...]             # argument leaves that get gradients (inexact, not masked)
   expansion: flat_lib.Expansion     # argument leaves -> leaves `fn` sees (FlatTrees unraveled)
   expanded_diff: tuple[int, ...]    # expanded leaves differentiated (those of `diff`)
   needed_inputs: tuple[int, ...]    # forward inputs the backward reads
@@ -151,11 +151,6 @@ def _is_inexact(dtype: Any) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def differentiated_leaves(signature: sig_lib.Signature) -> tuple[int, ...]:
-  """The argument leaves that get gradients: those of inexact dtypes (like `jax.vjp`)."""
-  return tuple(i for i, s in enumerate(signature.leaves) if _is_inexact(s.dtype))
-
-
 @dataclasses.dataclass
 class _Timer:
   compiles: int = 0
@@ -193,20 +188,45 @@ def _output_specs(out_info: Sequence[Any], name: str) -> tuple[jax.ShapeDtypeStr
   return specs
 
 
+def _trace(forward: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct],
+           name: str) -> Any:
+  """`jax.jit(forward).trace(*specs)`, refusing a function that closes over a tracer.
+
+  A tracer the function closes over (leaked from a trace that has ended, or of a trace
+  still running around `make_graphed`) becomes an extra input of the traced jaxpr, which no
+  executable built from it could be given.
+  """
+  traced = jax.jit(forward).trace(*specs)
+  invars = traced.jaxpr.jaxpr.invars
+  if len(invars) > len(specs):
+    # jax puts the closed-over tracers first
+    found = ", ".join(v.aval.str_short() for v in invars[:len(invars) - len(specs)])
+    raise jax.errors.UnexpectedTracerError(
+        f"{name} closes over a JAX tracer ({found}), not an array: a value of a jax.jit, "
+        "jax.grad or jax.vmap trace, leaked from a trace that has ended (kept in a global, "
+        "a list or an object during an earlier jit), or of the trace around a make_graphed "
+        "called inside one. Close over concrete arrays computed outside any trace, or pass "
+        "the value as an argument (in sample_args and on every call).")
+  return traced
+
+
 def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
-                  name: str, remat_policy: Callable[..., bool] | None = None,
+                  diff: tuple[int, ...], name: str,
+                  remat_policy: Callable[..., bool] | None = None,
                   loose_names: bool = False) -> tuple[Any, Layout]:
   """Traces `fn` once through `jax.vjp`; returns the closed jaxpr and the residual layout.
 
   The jaxpr maps `(*arg_leaves, *keys)` to `[*output_leaves, *kept_residuals]`. `fn` gets
   `key=` one key when `n_keys == 1`, a tuple of `n_keys` keys when more (a fused chain).
-  Every FlatTree among the arguments reaches `fn` unraveled; the VJP is taken with respect
-  to the unraveled leaves, so the slices it keeps are recomputed by the backward.
+  The VJP is taken with respect to the argument leaves `diff` only: the others are
+  constants of the linearization, so the backward computes nothing for them (and the
+  forward keeps nothing only their gradients would read). Every FlatTree among the
+  arguments reaches `fn` unraveled; the VJP is taken with respect to the unraveled leaves,
+  so the slices it keeps are recomputed by the backward.
   With `remat_policy`, `fn` runs under `jax.checkpoint` with that policy: only what the
   policy saves is kept, the rest is recomputed in the backward.
   """
   n_args = len(signature.leaves)
-  diff = differentiated_leaves(signature)
   expansion = flat_lib.expansion(signature.treedef)
   differentiated = set(diff)
   expanded_diff = tuple(j for j, i in enumerate(expansion.inputs) if i in differentiated)
@@ -243,7 +263,7 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
                  n_kept=len(kept))
     return [*out_leaves, *kept]
 
-  traced = jax.jit(forward).trace(*_trace_specs(signature, n_keys))
+  traced = _trace(forward, _trace_specs(signature, n_keys), name)
   out_info = traced.out_info
   n_out = len(out_info) - found["n_kept"]
   out_specs = _output_specs(out_info[:n_out], name)
@@ -312,7 +332,7 @@ def trace_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_k
     out_leaves, found["out_treedef"] = jax.tree.flatten(_apply(fn, args, flat[n_args:]))
     return out_leaves
 
-  traced = jax.jit(forward).trace(*_trace_specs(signature, n_keys))
+  traced = _trace(forward, _trace_specs(signature, n_keys), name)
   layout = Layout(
       n_args=n_args, n_keys=n_keys, out_treedef=found["out_treedef"],
       out_specs=_output_specs(traced.out_info, name), res_treedef=None, sources=(),
@@ -386,6 +406,7 @@ def _backward_fn(layout: Layout, select: tuple[int, ...],
 
 
 def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
+            diff: tuple[int, ...],
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
             offload: offload_lib.Policy | None, name: str,
             remat_policy: Callable[..., bool] | None = None,
@@ -398,6 +419,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
     n_keys: how many keys `fn` takes as `key=` (0 without rng; see `trace_forward`). With
       keys the stream forward (what warmup and keyless replays run) is compiled now, the
       explicit-key forward on first use.
+    diff: the argument leaves that get gradients (`pullback.differentiated_leaves`).
     backward: which backward executables to build: ("full", leaves) or ("dgrad", leaves)
       and ("wgrad", leaves); the last one listed receives the residuals as donated buffers
       (device residuals only).
@@ -411,10 +433,11 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
   """
   timer = _Timer()
   start = time.perf_counter()
-  closed, layout = trace_forward(fn, signature, n_keys=n_keys, name=name,
+  closed, layout = trace_forward(fn, signature, n_keys=n_keys, diff=diff, name=name,
                                  remat_policy=remat_policy, loose_names=loose_names)
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
+  _warn_constant_weights(closed, name)
   first: ForwardKind = "stream" if n_keys else "explicit"
   moved = offload.select(layout.buffers) if offload is not None else ()
   fwd = _forward_fn(closed, layout, first, outputs_only=False, moved=moved)
@@ -463,6 +486,7 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   closed, layout = trace_inference(fn, signature, n_keys=n_keys, name=name)
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
+  _warn_constant_weights(closed, name)
   entry = Executables(signature=signature, layout=layout, forward={}, backward={},
                       closed_jaxpr=closed, moved=(), compiles=0, compile_seconds=0.0,
                       residual_bytes=0, donated=tuple(donated))
@@ -496,6 +520,80 @@ def loaded_copy(compiled: Any) -> Any:
                                                      execution_devices=list(devices))
   except (ValueError, NotImplementedError, RuntimeError):  # not serializable here
     return compiled
+
+
+class ConstantWeightWarning(UserWarning):
+  """A function given to `make_graphed` closes over a float array that feeds a matmul or a
+  convolution: a weight baked into the executables, which gets no gradient and does not
+  follow later updates of the array (docs/semantics.md, "Functions of their arguments",
+  says which arrays count). Where a fixed matrix is meant:
+  `warnings.filterwarnings("ignore", category=jaxgraph.ConstantWeightWarning)`."""
+
+
+# A closed-over float array counts as a weight from this many elements on: smaller fixed
+# matrices (a 3x3 colour transform, a few mixing coefficients) are left alone.
+CONSTANT_WEIGHT_MIN_SIZE = 1024
+# Operations through which a closed-over array is still that array on its way into a matmul
+# (a weight is cast, transposed, reshaped or sliced first).
+_WEIGHT_PATH = frozenset({
+    "broadcast_in_dim", "convert_element_type", "copy", "copy_p", "dynamic_slice",
+    "expand_dims", "reduce_precision", "reshape", "rev", "sharding_constraint", "slice",
+    "squeeze", "transpose"})
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+
+def constant_weights(closed: Any) -> list[str]:
+  """Descriptions of the closed-over float arrays of a traced function that act as weights.
+
+  An array counts when all of these hold: it is a constant of the jaxpr (an array the
+  function closes over, not one it computes: a rotary table built from `iota` inside the
+  function is not a constant), its dtype is a float, it has at least
+  `CONSTANT_WEIGHT_MIN_SIZE` elements, and it is an operand of a `dot_general` or a
+  convolution, directly or through casts, transposes, reshapes and slices, also inside
+  nested jits, `jax.checkpoint` and custom derivatives. Masks (bool, int) and tables used
+  elementwise (rotary sin/cos, biases, a causal mask added to scores) are not weights.
+  """
+  found: dict[Any, str] = {}  # the constant's variable -> its description, in order
+
+  # `tainted` maps a variable to the constant it carries: (its variable, its description)
+  def visit(jaxpr: Any, tainted: dict[Any, tuple[Any, str]]) -> None:
+    if isinstance(jaxpr, jex.core.ClosedJaxpr):
+      tainted = {**tainted, **{
+          var: (var, f"{value.dtype}{list(value.shape)}")
+          for var, value in zip(jaxpr.jaxpr.constvars, jaxpr.consts)
+          if jnp.issubdtype(value.dtype, jnp.inexact)
+          and math.prod(value.shape) >= CONSTANT_WEIGHT_MIN_SIZE}}
+      jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+      sources = [tainted.get(v) if isinstance(v, jex.core.Var) else None for v in eqn.invars]
+      name = eqn.primitive.name
+      if name in _CONTRACTIONS:
+        found.update(s for s in sources if s)
+      elif name in _WEIGHT_PATH:
+        if sources[0]:
+          tainted[eqn.outvars[0]] = sources[0]
+      else:  # a nested jaxpr may use a tainted operand, or close over arrays of its own
+        for sub in rng_lib._subjaxprs(eqn):  # the one walker of nested jaxprs
+          inner = sub.jaxpr if isinstance(sub, jex.core.ClosedJaxpr) else sub
+          passed = len(inner.invars) == len(sources)  # operands passed on one to one
+          visit(sub, {var: s for var, s in zip(inner.invars, sources) if s} if passed else {})
+
+  visit(closed, {})
+  return list(found.values())
+
+
+def _warn_constant_weights(closed: Any, name: str) -> None:
+  weights = constant_weights(closed)
+  if weights:
+    warnings.warn(
+        f"{name}: the traced function closes over {len(weights)} float array(s) that feed a "
+        f"matmul or a convolution ({', '.join(weights)}). They are constants of the "
+        "executables: the pullback returns no gradient for them, and changing them later "
+        "does not change the graphed function. If they are weights, pass them as arguments "
+        "(in sample_args and on every call; make_graphed(..., grad_mask=...) keeps frozen "
+        "ones out of the backward). If they are meant to be fixed, silence this with "
+        "warnings.filterwarnings('ignore', category=jaxgraph.ConstantWeightWarning).",
+        ConstantWeightWarning, stacklevel=5)
 
 
 def _warn_constant_keys(closed: Any, name: str) -> None:

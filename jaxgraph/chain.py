@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import jax
 
 from jaxgraph import fusion as fusion_lib
+from jaxgraph import pullback as pullback_lib
 from jaxgraph.graphed import GraphedCallable, Pullback  # by name: docs/api.md shows the types
 
 
@@ -96,6 +97,7 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       raise TypeError(f"sequential_vjp: layers[{i}] is a {type(layer).__name__}, not a "
                       "GraphedCallable; build the stack with jaxgraph.make_graphed.")
     layer._require_backward(f"sequential_vjp (layers[{i}])")
+  pullback_lib.check_carry(layers, params_list, x, *consts, where="sequential_vjp")
   runs = (fusion_lib.plan(layers) if fuse
           else [(i, i + 1) for i in range(len(layers))])
   steps = []

@@ -16,6 +16,7 @@ import jax
 
 from jaxgraph import graphed as graphed_lib
 from jaxgraph import hooks as hooks_lib
+from jaxgraph import pullback as pullback_lib
 from jaxgraph import signature as sig_lib
 
 
@@ -115,6 +116,24 @@ class FusedSegment(graphed_lib.GraphedCallable):
   @property
   def _remat_policy(self) -> None:
     return None  # the chain applies it per function
+
+  def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
+    """With a `grad_mask`: each layer's params leaves as its mask says of `(params_i, x,
+    *consts)`, the input `x` as the first layer's says; the consts none (the chain stops
+    their gradient)."""
+    mask = self._config.grad_mask
+    if mask is None:
+      return super()._differentiated(signature)
+    params, x, *consts = jax.tree.unflatten(
+        signature.treedef, [sig_lib.abstract(s) for s in signature.leaves])
+    flags: list[bool] = []
+    for p in params:
+      flags += pullback_lib.mask_flags(mask, (p, x, *consts))[:len(jax.tree.leaves(p))]
+    n_first = len(jax.tree.leaves(params[0]))
+    flags += pullback_lib.mask_flags(mask, (params[0], x, *consts))[
+        n_first:n_first + len(jax.tree.leaves(x))]
+    flags += [False] * len(jax.tree.leaves(consts))
+    return pullback_lib.differentiated_leaves(signature, flags)
 
   def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
     return [value for layer in self._layers for value in layer._stream_inputs(stream)]

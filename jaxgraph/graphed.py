@@ -72,6 +72,9 @@ class Config:
   donate_argnums: tuple[int, ...] = ()  # inference only: positional args the forward donates
   per_layer_executables: bool = False  # each callable replays its own loaded copy
   offload: offload_lib.Policy = offload_lib.Policy()  # of the callables offloaded
+  # which argument leaves get gradients: a prefix of the arguments, a function of them, or
+  # None for every float leaf (`pullback.mask_flags`)
+  grad_mask: Any = None
   # (function, signature, offload inside the executables) -> executables, shared by
   # identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
@@ -292,6 +295,9 @@ class GraphedCallable:
     return leaves, treedef
 
   def _call_traced(self, args: tuple[Any, ...], key: Any) -> Any:
+    flags = pullback_lib.mask_flags(self._config.grad_mask, args)
+    if flags is not None:  # under the user's jax.grad too, no gradient where the mask says
+      args = pullback_lib.stop_masked(args, flags)
     args = flat_lib.unravel(args)  # as inside a capture: fn sees its own pytrees
     if self._config.rng:
       if key is None:
@@ -301,7 +307,14 @@ class GraphedCallable:
     return self._uncaptured_fn(*args)
 
   def _vjp_traced(self, args: tuple[Any, ...], key: Any) -> Any:
-    return jax.vjp(lambda *a: self._call_traced(a, key), *args)
+    return self._vjp(lambda *a: self._call_traced(a, key), args)
+
+  def _vjp(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """`jax.vjp(fn, *args)`, with respect to the leaves `grad_mask` lets through."""
+    flags = pullback_lib.mask_flags(self._config.grad_mask, args)
+    if flags is None:
+      return jax.vjp(fn, *args)
+    return pullback_lib.masked_vjp(fn, args, flags)
 
   def _backward_hooks(self, phase: hooks_lib.Phase) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     if phase == "replay":
@@ -362,10 +375,11 @@ class GraphedCallable:
                 donated=pullback_lib.argument_leaves(signature.treedef,
                                                     config.donate_argnums))
           else:
+            diff = self._differentiated(signature)
             entry = capture_lib.capture(
-                self.fn, signature, n_keys=self._n_keys,
+                self.fn, signature, n_keys=self._n_keys, diff=diff,
                 backward=pullback_lib.backward_plan(
-                    signature, delay_wgrad=config.delay_wgrad,
+                    diff, signature.treedef, delay_wgrad=config.delay_wgrad,
                     wgrad_argnums=config.wgrad_argnums),
                 offload=config.offload if cache_key[-1] else None,
                 remat_policy=self._remat_policy, name=self.name,
@@ -392,6 +406,15 @@ class GraphedCallable:
     if config.offload.mode == "async":
       self._to_host[signature] = self._offloaded(entry)
     return entry
+
+  def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
+    """The argument leaves of `signature` that get gradients: the float leaves `grad_mask`
+    lets through (a callable mask is called with `jax.ShapeDtypeStruct` arguments)."""
+    mask = self._config.grad_mask
+    if mask is None:
+      return pullback_lib.differentiated_leaves(signature)
+    args = jax.tree.unflatten(signature.treedef, [sig_lib.abstract(s) for s in signature.leaves])
+    return pullback_lib.differentiated_leaves(signature, pullback_lib.mask_flags(mask, args))
 
   def _forward(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any, key: Any, *,
                phase: hooks_lib.Phase, iteration: int, microbatch: int, with_pullback: bool,
@@ -504,7 +527,7 @@ class GraphedCallable:
     if not with_pullback:
       result = (fn(*args),)
     else:
-      out, vjp_fn = jax.vjp(fn, *args)
+      out, vjp_fn = self._vjp(fn, args)
       result = out, Pullback(self, event, lambda ct: (vjp_fn(ct), None))
     # Counted (and the stream advanced) only once the call succeeded.
     self._counts.fallbacks += 1

@@ -62,7 +62,9 @@ class Hooks:
                **unknown: Any):
     if unknown:
       name = next(iter(unknown))
-      close = difflib.get_close_matches(name, HOOK_KINDS, n=1)
+      # torch's names: the hook after the forward is `forward` here, not `post_forward`
+      close = ([name.removeprefix("post_")] if name.removeprefix("post_") in HOOK_KINDS
+               else difflib.get_close_matches(name, HOOK_KINDS, n=1))
       hint = f" Did you mean {close[0]!r}?" if close else ""
       raise TypeError(f"Hooks got an unknown hook kind {name!r}; the kinds are "
                       f"{', '.join(HOOK_KINDS)}.{hint}")

@@ -14,6 +14,7 @@ import functools
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxgraph import capture as capture_lib
@@ -55,15 +56,114 @@ def argument_leaves(treedef: Any, argnums: tuple[int, ...]) -> tuple[int, ...]:
                if argnum in argnums for leaf in range(lo, hi))
 
 
-def backward_plan(signature: sig_lib.Signature, *, delay_wgrad: bool,
+def _is_flag(value: Any) -> bool:
+  return isinstance(value, (bool, np.bool_))
+
+
+def mask_flags(grad_mask: Any, args: tuple[Any, ...]) -> tuple[bool, ...] | None:
+  """One bool per leaf of `args`: whether `grad_mask` lets it have a gradient (None: no mask).
+
+  `grad_mask` (`make_graphed(..., grad_mask=...)`) is a pytree prefix of the positional
+  arguments with bool leaves, each covering the subtree of the arguments it sits over, or a
+  function of the arguments returning one.
+
+  Raises:
+    TypeError: for a leaf of the mask that is not a bool.
+    ValueError: for a mask whose structure is not a prefix of the arguments'.
+  """
+  if grad_mask is None:
+    return None
+  prefix = grad_mask(*args) if callable(grad_mask) else grad_mask
+  example = ("grad_mask=(False, True) (no gradient for the first argument), or a tree of "
+             "bools over an argument's leaves, grad_mask=({'w': False, 'lora': True}, True)")
+  bad = [leaf for leaf in jax.tree.leaves(prefix) if not _is_flag(leaf)]
+  if bad:
+    raise TypeError(f"grad_mask must hold bools (True: gradient), got {bad[0]!r}; e.g. "
+                    f"{example}.")
+  try:
+    per_leaf = jax.tree.map(lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)),
+                            prefix, tuple(args))
+  except ValueError as e:
+    where = str(e).replace("tree_map tree", "args")  # JAX's name of the tree, here args
+    raise ValueError(f"grad_mask does not fit the positional arguments: it must be a pytree "
+                     f"prefix of them, e.g. {example}. JAX says: {where}") from None
+  return tuple(jax.tree.leaves(per_leaf))
+
+
+def check_carry(layers: Sequence[Any], params: Sequence[Any], x: Any, *rest: Any,
+                where: str) -> None:
+  """Refuses a `grad_mask` that leaves out a float leaf of the carried input `x` of a layer
+  above the first of a stack (`layers[1:]`): its gradient is the cotangent of the layer
+  below. Checked once per `make_graphed` call among the layers, before anything runs;
+  `x` stands for every layer's input (a stack carries one structure)."""
+  checked = set()
+  for i, layer in enumerate(layers[1:], 1):
+    config = layer._config
+    if config.grad_mask is None or id(config) in checked:
+      continue
+    checked.add(id(config))
+    flags = mask_flags(config.grad_mask, (params[i], x, *rest))
+    first = len(jax.tree.leaves(params[i]))
+    x_leaves = jax.tree.leaves(x)
+    if not all(flag for flag, leaf in zip(flags[first:first + len(x_leaves)], x_leaves)
+               if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)):
+      raise ValueError(
+          f"{where}: the grad_mask of {layer.name} leaves out (part of) its input x, the "
+          "output of the layer below it, which then would get no cotangent. In a stack, "
+          "keep x differentiated and mask the params (and any other argument): "
+          "grad_mask=(params_mask, True, ...).")
+
+
+def differentiated_leaves(signature: sig_lib.Signature,
+                          flags: Sequence[bool] | None = None) -> tuple[int, ...]:
+  """The argument leaves that get gradients: those of inexact dtypes (like `jax.vjp`) that
+  `flags` (from `mask_flags`; None: all) lets through."""
+  return tuple(i for i, s in enumerate(signature.leaves)
+               if jnp.issubdtype(s.dtype, jnp.inexact)
+               and (flags is None or flags[i]))
+
+
+def masked_vjp(fn: Callable[..., Any], args: tuple[Any, ...], flags: Sequence[bool]
+               ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
+  """`jax.vjp(fn, *args)` with respect to the leaves whose flag is set: the others are
+  constants of the linearization, their gradient a float0 zero (as an integer leaf's)."""
+  leaves, treedef = jax.tree.flatten(args)
+  kept = [i for i, flag in enumerate(flags) if flag]
+
+  def primal(*values: Any) -> Any:
+    full = list(leaves)
+    for i, value in zip(kept, values):
+      full[i] = value
+    return fn(*jax.tree.unflatten(treedef, full))
+
+  out, vjp_fn = jax.vjp(primal, *[leaves[i] for i in kept])
+
+  def pullback(cotangents: Any) -> tuple[Any, ...]:
+    full = [np.zeros(np.shape(leaf), jax.dtypes.float0) for leaf in leaves]
+    for i, grad in zip(kept, vjp_fn(cotangents)):
+      full[i] = grad
+    return tuple(jax.tree.unflatten(treedef, full))
+
+  return out, pullback
+
+
+def stop_masked(args: tuple[Any, ...], flags: Sequence[bool]) -> tuple[Any, ...]:
+  """`args` with `jax.lax.stop_gradient` on the leaves whose flag is off (under a user's
+  transformation: no gradient flows into them)."""
+  leaves, treedef = jax.tree.flatten(args)
+  return jax.tree.unflatten(treedef, [leaf if flag else jax.lax.stop_gradient(leaf)
+                                      for leaf, flag in zip(leaves, flags)])
+
+
+def backward_plan(diff: tuple[int, ...], treedef: Any, *, delay_wgrad: bool,
                   wgrad_argnums: tuple[int, ...]
                   ) -> list[tuple[capture_lib.BackwardKind, tuple[int, ...]]]:
-  """Which backward executables to build and which argument leaves each returns grads of:
-  one "full", or "dgrad" now and "wgrad" (the weights') later."""
-  diff = capture_lib.differentiated_leaves(signature)
+  """Which backward executables to build and which argument leaves each returns grads of
+  (of the differentiated leaves `diff` of arguments of structure `treedef`): one "full", or
+  "dgrad" now and "wgrad" (the weights') later."""
   if not delay_wgrad:
     return [("full", diff)]
-  weight_leaves = set(argument_leaves(signature.treedef, wgrad_argnums))
+  weight_leaves = set(argument_leaves(treedef, wgrad_argnums))
   return [("dgrad", tuple(i for i in diff if i not in weight_leaves)),
           ("wgrad", tuple(i for i in diff if i in weight_leaves))]
 
@@ -145,7 +245,9 @@ class ExecutableBackward:
     try:
       values = self._run(first_kind, cts)
     except (TypeError, ValueError) as e:
-      raise self._cotangent_error(cts) from e
+      if self._mismatched(cts):  # our message says it all; XLA's below it would only confuse
+        raise self._cotangent_error(cts) from None
+      raise self._cotangent_error(cts) from e  # the sharding differs: XLA's says how
     if first_kind == "full":
       return assemble(entry, values, select, None), None
     for i, array in self._host_while_dgrad.items():  # the device copies go with the dgrad

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgraph import graphed as graphed_lib
+from jaxgraph import pullback as pullback_lib
 
 __all__ = [
     "Pipeline",
@@ -427,7 +428,12 @@ def _vjp(layer: graphed_lib.GraphedCallable, args: tuple[Any, ...], microbatch: 
 
 
 def _add(total: Any, grad: Any) -> Any:
-  return grad if total is None else jax.tree.map(jnp.add, total, grad)
+  """`total + grad`, leaf by leaf; a float0 gradient (an integer leaf's, or one `grad_mask`
+  leaves out) stays float0."""
+  if total is None:
+    return grad
+  return jax.tree.map(lambda t, g: t if t.dtype == jax.dtypes.float0 else jnp.add(t, g),
+                      total, grad)
 
 
 class Pipeline:
@@ -499,6 +505,9 @@ class Pipeline:
     if len(params) != len(chunks) or any(len(p) != len(c) for p, c in zip(params, chunks)):
       raise ValueError("params must hold one list per chunk with one params pytree per layer "
                        f"(layers per chunk: {[len(c) for c in chunks]}).")
+    layers = [layer for chunk in chunks for layer in chunk]
+    pullback_lib.check_carry(layers, [p for chunk in params for p in chunk], inputs[0],
+                             where="Pipeline")
     params = [self._place(list(p), c) for c, p in enumerate(params)]
     last = len(chunks) - 1
     acts: dict[tuple[int, int], Any] = {}      # (chunk, microbatch) -> output of the chunk

@@ -204,8 +204,9 @@ def test_bad_cotangent_raises_clearly_and_pullback_stays_usable(graphed, case):
   _, make_ct, pattern = case
   y, pull = graphed.vjp(P, X)
   before = snapshot(graphed)
-  with pytest.raises(TypeError, match=pattern):
+  with pytest.raises(TypeError, match=pattern) as info:
     pull(make_ct())
+  assert info.value.__cause__ is None  # stands alone: not under XLA's own message
   assert snapshot(graphed) == before
   _, v = _ref_push(P, X)
   assert bitwise(pull(CT), _ref_pull(v, CT))       # the same pullback still works
@@ -296,6 +297,11 @@ def test_seed_and_key_bad_input():
 def test_hooks_constructor_rejects_bad_hooks():
   with pytest.raises(TypeError, match=r"unknown hook kind 'pre_foward'.*'pre_forward'"):
     jg.Hooks(pre_foward=[print])
+  # torch's names for the hooks after the forward and the backward
+  with pytest.raises(TypeError, match=r"'post_forward'.*Did you mean 'forward'\?"):
+    jg.Hooks(post_forward=[print])
+  with pytest.raises(TypeError, match=r"'post_backward'.*Did you mean 'backward'\?"):
+    jg.Hooks(post_backward=[print])
   with pytest.raises(TypeError, match=r"takes a list of hooks, got a dict"):
     jg.Hooks(forward={"a": print})
   with pytest.raises(TypeError, match=r"must hold callables, got 3"):
@@ -434,6 +440,21 @@ MAKE_CASES: list[tuple[str, dict[str, Any], type[BaseException], str]] = [
      ValueError, r"capture_time_hooks has 2 entries"),
     ("capture_time_hooks_int", dict(fns="fn", capture_time_hooks=1, sample_args=(P, X)),
      TypeError, r"capture_time_hooks takes jaxgraph.Hooks"),
+    ("rng_without_key_parameter", dict(fns="fn", sample_args=(P, X), rng=True), TypeError,
+     r"rng=True, which calls every function with key=\.\.\., but fn \(fns\[0\]\) has no "
+     r"key parameter\. Add one \(def fn\(params, x, \*, key\)\), or drop rng=True"),
+    ("grad_mask_int_leaf", dict(fns="fn", sample_args=(P, X), grad_mask=({"w": 0, "b": True},
+                                                                        True)),
+     TypeError, r"grad_mask, for sample_args\[0\]: grad_mask must hold bools \(True: "
+     r"gradient\), got 0"),
+    ("grad_mask_structure", dict(fns="fn", sample_args=(P, X), grad_mask=({"w": False}, True)),
+     ValueError, r"grad_mask, for sample_args\[0\]: grad_mask does not fit the positional "
+     r"arguments: it must be a pytree prefix"),
+    ("grad_mask_arity", dict(fns="fn", sample_args=(P, X), grad_mask=(False,)), ValueError,
+     r"does not fit the positional arguments"),
+    ("grad_mask_inference_only", dict(fns="fn", sample_args=(P, X), grad_mask=(False, True),
+                                      inference_only=True), ValueError,
+     r"inference_only=True together with grad_mask"),
 ]
 
 
@@ -522,3 +543,92 @@ def test_numpy_counts_and_bools_are_taken_like_python_ones():
                       max_captures=np.int32(2), per_layer_executables=np.bool_(False))
   assert g.stats.captures == 1
   assert jnp.array_equal(g(P, X), layer(P, X))
+
+
+# -------------------------------------------------------- a new user's first mistakes
+
+
+def test_make_graphed_under_jit_says_to_call_it_outside():
+  def step(p, x):
+    return jg.make_graphed(layer, sample_args=(p, x), num_warmup_iters=0)(p, x)
+
+  with pytest.raises(TypeError) as info:
+    jax.jit(step)(P, X)
+  assert str(info.value).startswith(
+      "sample_args[0]: argument args[0]['b'] is a tracer: make_graphed was called inside "
+      "jax.jit, jax.grad or jax.vmap")
+  assert "make_graphed runs outside JAX transformations, on concrete sample_args" in str(
+      info.value)
+  assert not jg.is_capturing()
+
+
+def test_a_closed_over_leaked_tracer_is_named_as_one():
+  leaked = []
+  jax.jit(lambda a: leaked.append(a) or a)(jnp.ones(3))
+
+  def leaky(p, x):
+    return layer(p, x) + leaked[0].sum()
+
+  with pytest.raises(jax.errors.UnexpectedTracerError) as info:
+    jg.make_graphed(leaky, sample_args=(P, X), num_warmup_iters=0)
+  assert str(info.value).startswith(
+      "leaky[0] closes over a JAX tracer (float32[3]), not an array: a value of a jax.jit, "
+      "jax.grad or jax.vmap trace, leaked from a trace that has ended")
+  assert "pass the value as an argument" in str(info.value)
+  assert "while capturing leaky[0] from sample_args[0]" in message(info.value)
+  assert not jg.is_capturing()
+
+
+def test_a_key_parameter_without_rng_names_rng_true():
+  fn, traces = _traced_layer()
+
+  def block_key(p, x, *, key):
+    return fn(p, x)
+
+  with pytest.raises(TypeError, match=r"block_key \(fns\[0\]\) takes a key= parameter, but "
+                                      r"make_graphed was called without rng=True[\s\S]*"
+                                      r"Pass make_graphed\(\.\.\., rng=True\)"):
+    jg.make_graphed(block_key, sample_args=(P, X))
+  assert traces() == 0
+  # A key with a default, or one given positionally, is not asked for.
+  jg.make_graphed(lambda p, x, key=None: fn(p, x), sample_args=(P, X), num_warmup_iters=0)
+  jg.make_graphed(lambda p, x, key: fn(p, x), sample_args=(P, X, jnp.ones(())),
+                  num_warmup_iters=0)
+  assert traces() == 2
+
+
+def _flax_modules():
+  from flax import linen as nn
+  from flax import nnx
+
+  x = jnp.ones((2, 4))
+  linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  dense = nn.Dense(4)
+  variables = dense.init(jax.random.key(0), x)
+  return x, [("nnx", linear, "fns", "nnx_layer(module)"),
+             ("nnx_list", [linear, linear], "fns[0]", "nnx_layer(module)"),
+             ("nnx_method", linear.__call__, "fns", "nnx_layer(module)"),
+             ("linen", dense, "fns", "linen_layer(module, variables)"),
+             ("linen_bound", dense.bind(variables), "fns", "linen_layer(module, variables)")]
+
+
+@pytest.mark.parametrize("case", range(5), ids=["nnx", "nnx_list", "nnx_method", "linen",
+                                                 "linen_bound"])
+def test_a_flax_module_is_refused_with_its_adapter(case):
+  """A module's weights would be constants of the executables (no gradient, updates
+  unseen): refused before anything is traced, naming the adapter that splits it."""
+  x, cases = _flax_modules()
+  _, fns, where, split = cases[case]
+  samples = [(x,)] * len(fns) if isinstance(fns, list) else (x,)
+  with pytest.raises(TypeError) as info:
+    jg.make_graphed(fns, sample_args=samples)
+  text = str(info.value)
+  assert re.match(rf"make_graphed got (a|a method of a) Flax (NNX|Linen) module .* as "
+                  rf"{re.escape(where)}\.", text), text
+  assert f"jaxgraph.flax.{split}" in text and "no gradient" in text
+  assert not jg.is_capturing()
+  # Linen's own apply takes the variables as an argument: it is a pure function, accepted.
+  if cases[case][0] == "linen":
+    variables = fns.init(jax.random.key(0), x)
+    g = jg.make_graphed(fns.apply, sample_args=(variables, x), num_warmup_iters=0)
+    assert bitwise(g(variables, x), fns.apply(variables, x))

@@ -188,3 +188,22 @@ def test_default_attention_follows_the_backend(platform_gate, cudnn):
   assert harness.attention(None) == ("cudnn" if cudnn else None)
   assert harness.attention("xla") == "xla"
   assert harness.attention("default") is None
+
+
+def test_lora_bench_tiny_reports_both_variants(tmp_path):
+  """benchmarks/lora_bench.py times the backward of a LoRA stack with and without
+  `grad_mask`; its masked backward has the two frozen base weights' dW matmuls fewer."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  run = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "lora_bench.py"), "--tiny", "--out",
+       str(tmp_path)],
+      capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert run.returncode == 0, run.stderr[-4000:]
+  assert "| lora |" in run.stdout and "lora / full:" in run.stdout
+  with open(tmp_path / "lora_bench.json") as f:
+    result = json.load(f)
+  full, lora = result["variants"]["full"], result["variants"]["lora"]
+  for variant in (full, lora):
+    assert len(variant["rounds_ms"]) == 3 and variant["backward_ms"] > 0
+  assert lora["backward_matmuls_per_layer"] == full["backward_matmuls_per_layer"] - 2

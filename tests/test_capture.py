@@ -1,7 +1,11 @@
-"""Residual packing (capture.py): kept residuals of at most `PACK_MAX_BYTES` travel as one
-flat buffer per dtype, on the platforms where that is exact (`PACK_PLATFORMS`)."""
+"""capture.py: residual packing (kept residuals of at most `PACK_MAX_BYTES` travel as one
+flat buffer per dtype, on the platforms where that is exact: `PACK_PLATFORMS`), and the
+warning for closed-over weights (`constant_weights`)."""
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +15,7 @@ import pytest
 
 import jaxgraph as jg
 from jaxgraph import capture as capture_lib
-from models import trees_equal
+from models import causal_mask, trees_equal
 
 B, D = 8, 32
 
@@ -105,3 +109,97 @@ def test_named_residuals_stay_loose_only_for_offload_names(packing, offload_name
     assert names == [None]  # one packed buffer
   else:
     assert sorted(names, key=str) == [None, "hidden"]
+
+
+# ------------------------------------------------------------------- closed-over weights
+
+W = jax.random.normal(jax.random.key(1), (D, D)) / D
+X = jnp.ones((B, D))
+
+
+def _closes_over_w(x):
+  return jnp.tanh(x @ W)
+
+
+def _bf16_einsum(x):
+  return jnp.einsum("bd,ed->be", x.astype(jnp.bfloat16), W.astype(jnp.bfloat16))
+
+
+def _inside_a_jit(x):
+  return jax.jit(lambda x: x @ W.T)(x)
+
+
+STACK = jnp.stack([W, W])
+
+
+def _stacked_slice(x):  # one layer's weight sliced out of a closed-over stack
+  return x @ STACK[1]
+
+
+KERNEL = jax.random.normal(jax.random.key(2), (1, 1, 1024))
+
+
+def _conv_closure(x):
+  return jax.lax.conv_general_dilated(x[:, None, :], KERNEL, (1,), "SAME")[:, 0]
+
+
+ALARMS = {"matmul": _closes_over_w, "bf16_einsum": _bf16_einsum, "nested_jit": _inside_a_jit,
+          "slice_of_a_stack": _stacked_slice, "conv": _conv_closure}
+
+ROTARY = jnp.stack([jnp.sin(jnp.arange(B * D) / 7.0), jnp.cos(jnp.arange(B * D) / 7.0)])
+FLOAT_MASK = causal_mask(B)  # 0 / -1e9
+BOOL_MASK = jnp.tril(jnp.ones((B, B), bool))
+SMALL = jax.random.normal(jax.random.key(3), (D, 4))  # 128 elements: below the threshold
+
+
+def _masks_and_tables(p, x):
+  """What a real block closes over without it being a weight: a bool mask, an int table, a
+  precomputed rotary table applied elementwise, a float mask added to scores, a small fixed
+  matrix; the weight itself is an argument."""
+  rot = x * ROTARY[0].reshape(B, D) + x[:, ::-1] * ROTARY[1].reshape(B, D)
+  scores = (rot @ p) @ rot.T + FLOAT_MASK
+  scores = jnp.where(BOOL_MASK, scores, -jnp.inf)
+  positions = jnp.arange(B * D, dtype=jnp.int32).reshape(B, D)
+  return jax.nn.softmax(scores) @ x + positions + (x @ SMALL).sum()
+
+
+def _constant_weight_warnings(fn, args):
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jg.make_graphed(fn, sample_args=args, num_warmup_iters=0)
+  return [w for w in caught if issubclass(w.category, jg.ConstantWeightWarning)]
+
+
+@pytest.mark.parametrize("fn", ALARMS.values(), ids=ALARMS.keys())
+def test_a_closed_over_weight_warns_with_the_fix(fn):
+  (found,) = _constant_weight_warnings(fn, (X,))
+  message = str(found.message)
+  assert f"{fn.__name__}[0]: the traced function closes over 1 float array(s)" in message
+  assert "pass them as arguments" in message and "grad_mask" in message
+  assert "category=jaxgraph.ConstantWeightWarning" in message
+  assert issubclass(jg.ConstantWeightWarning, UserWarning)
+
+
+def test_a_module_closed_over_by_a_partial_warns():
+  """A Flax module handed over inside a partial is not refused (make_graphed sees a
+  partial), but its kernel feeds a matmul as a constant: the warning names it."""
+  from flax import nnx
+
+  module = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+  (found,) = _constant_weight_warnings(functools.partial(lambda m, x: m(x), module), (X,))
+  assert f"float32[{D}, {D}]" in str(found.message)
+
+
+def test_masks_tables_and_weights_as_arguments_do_not_warn():
+  assert _constant_weight_warnings(_masks_and_tables, (W, X)) == []
+  assert capture_lib.constant_weights(jax.make_jaxpr(_masks_and_tables)(W, X)) == []
+  assert capture_lib.constant_weights(jax.make_jaxpr(_closes_over_w)(X)) == [
+      f"float32[{D}, {D}]"]
+
+
+def test_the_warning_is_silenced_by_its_category():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", category=jg.ConstantWeightWarning)
+    layer = jg.make_graphed(_closes_over_w, sample_args=(X,), num_warmup_iters=0)
+  assert trees_equal(layer(X), jax.jit(_closes_over_w)(X))
