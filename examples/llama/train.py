@@ -296,16 +296,20 @@ class Placement:
   (`jax.distributed`) the mesh holds every process's devices and `host` gathers the shards
   of all of them.
 
-  With several CPU processes every executable is waited for before the next one starts
-  (`serial`, `wait`, `hooks`): their collectives go through gloo, and two executables with
-  collectives that run at once (the CPU runtime starts independent ones concurrently, e.g.
-  the next microbatch's embedding forward during this one's backward) can pair their
-  collectives wrongly across processes and deadlock. GPU streams run executables in order.
+  On CPU under `jax.distributed` (--coordinator: several processes, or one) every
+  executable is waited for before the next one starts (`serial`, `wait`, `hooks`): the
+  collectives go through gloo, every device a gloo rank (those of one process too), and two
+  executables with collectives that run at once (the CPU runtime starts independent ones
+  concurrently, e.g. the next microbatch's embedding forward during this one's backward) can
+  pair their collectives wrongly and deadlock (2 processes hung in the first step; one
+  process of 8 devices in --check's timing rounds). Without `jax.distributed` one process's
+  CPU devices use XLA's in-process collectives (no such hang seen); GPU streams run
+  executables in order.
   """
 
   def __init__(self, mesh: Mesh | None = None, min_size: int = fsdp.MIN_SHARD_SIZE):
     self.mesh, self.min_size = mesh, min_size
-    self.serial = (mesh is not None and jax.process_count() > 1
+    self.serial = (mesh is not None and jax.distributed.is_initialized()
                    and mesh.devices.flat[0].platform == "cpu")
 
   @property
