@@ -767,9 +767,10 @@ def test_a_full_disk_during_a_save_prints_one_message_and_nothing_else(tmp_path)
   (line,) = result.stderr.strip().splitlines()
   assert line.startswith(f"could not save checkpoint step 20 in {disk / 'checkpoints'}: "
                          "ValueError: RESOURCE_EXHAUSTED: ")
-  assert line.endswith(f"No space left on device [os_error_code='28']. The last step saved is "
-                       f"10 ({disk / 'checkpoints' / '10'}); free space on its disk, continue "
-                       "with: python train.py --resume")
+  # tensorstore's own words between the two differ by version (the GPU machine's added to them).
+  assert "No space left on device" in line
+  assert line.endswith(f". The last step saved is 10 ({disk / 'checkpoints' / '10'}); free space "
+                       "on its disk, continue with: python train.py --resume")
 
 
 def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(common,

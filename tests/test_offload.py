@@ -405,8 +405,13 @@ def test_checkpoint_names_are_found_without_a_policy(packing):
   buffers = _entry(layer).layout.buffers
   named = [b.name == "hidden" for b in buffers]
   assert named.count(True) == 1 and len(buffers) > 1
-  # The others travel packed where packing is on.
-  assert (len(buffers) < len(_entry(layer).layout.packing.shapes)) == packing
+  # The others (float32 alike) travel as one buffer where packing is on: packed, or the one
+  # residual left beside `hidden` (XLA:GPU's jax.vjp keeps one; XLA:CPU's more). Where it is
+  # off, each is a buffer of its own.
+  if packing:
+    assert named.count(False) == 1
+  else:
+    assert len(buffers) == len(_entry(layer).layout.packing.shapes)
   _, pullback = layer.vjp(params[0], x)
   assert [k == "pinned_host" for k in _held_kinds(pullback)] == named
   assert layer.stats.offload_bytes == T * H * 4
