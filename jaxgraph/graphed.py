@@ -3,7 +3,9 @@
 Its parts: the callable's state (`Config` shared by one `make_graphed` call, `_Counters`
 behind `Stats`, a `rng.KeyStream`), finding or capturing the executables of a signature,
 and the replay of one forward executable, whose backward is a `pullback.Pullback`
-(pullback.py).
+(pullback.py). Which kept buffers go to host memory is the `offload.Offloader`'s, which
+argument leaves get gradients pullback.py's (`masked_leaves`, `masked_vjp`), and which hooks
+fire in a phase `hooks.by_phase`'s.
 """
 
 from __future__ import annotations
