@@ -202,7 +202,8 @@ def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
     if kind == "forward":
       leaves, treedef = jax.tree.flatten(args)
       signature = sig_lib.signature_of(leaves, treedef)
-      pre, post = layer._forward_hooks("capture")
+      hooks = layer._hooks["capture"]
+      pre, post = hooks.pre_forward, hooks.forward
       event = hooks_lib.HookEvent(layer.index, "capture", 0, m, _abstract_tree(args))
       hooks_lib.fire(pre, "pre_forward", event, layer.name)
       try:
@@ -217,7 +218,8 @@ def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
           layer.index, "capture", 0, m, event.args, outputs=out), layer.name)
     elif kind == "backward":
       abstract_args, out = outputs.pop((i, m))
-      pre, post = layer._backward_hooks("capture")
+      hooks = layer._hooks["capture"]
+      pre, post = hooks.pre_backward, hooks.backward
       event = hooks_lib.HookEvent(layer.index, "capture", 0, m, abstract_args,
                                   outputs=out, cotangents=out)
       hooks_lib.fire(pre, "pre_backward", event, layer.name)

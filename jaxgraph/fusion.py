@@ -65,7 +65,7 @@ class Chain:
 def fusable(layer: graphed_lib.GraphedCallable) -> bool:
   """Whether a layer may share executables with its neighbours: no replay-time hook (a hook
   needs the host boundary) and no delayed wgrad (its own dgrad/wgrad split)."""
-  hooks = layer._hooks
+  hooks = layer._hooks["replay"]
   return (not any(getattr(hooks, kind) for kind in hooks_lib.HOOK_KINDS)
           and not layer._config.delay_wgrad)
 
@@ -89,7 +89,7 @@ def plan(layers: Sequence[graphed_lib.GraphedCallable]) -> list[tuple[int, int]]
 
 def _joins(first: graphed_lib.GraphedCallable, layer: graphed_lib.GraphedCallable) -> bool:
   return (fusable(first) and layer._config is first._config
-          and layer._offload == first._offload)
+          and layer._offload.enabled == first._offload.enabled)
 
 
 class FusedSegment(graphed_lib.GraphedCallable):
@@ -106,7 +106,7 @@ class FusedSegment(graphed_lib.GraphedCallable):
     chain = Chain(tuple(layer.fn for layer in layers), remat_policy=first._config.remat_policy)
     super().__init__(chain, first.index, first._config,
                      hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
-                     offload=first._offload)
+                     offload=first._offload.enabled)
     self._set_name(f"fused({first.name}..{layers[-1].name})")
 
   @property

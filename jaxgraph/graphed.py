@@ -3,7 +3,9 @@
 Its parts: the callable's state (`Config` shared by one `make_graphed` call, `_Counters`
 behind `Stats`, a `rng.KeyStream`), finding or capturing the executables of a signature,
 and the replay of one forward executable, whose backward is a `pullback.Pullback`
-(pullback.py).
+(pullback.py). Which kept buffers go to host memory is the `offload.Offloader`'s, which
+argument leaves get gradients pullback.py's (`masked_leaves`, `masked_vjp`), and which hooks
+fire in a phase `hooks.by_phase`'s.
 """
 
 from __future__ import annotations
@@ -128,14 +130,11 @@ class GraphedCallable:
     # as the captured executables, so under the same residual policy.
     self._uncaptured_fn = (fn if self._remat_policy is None else
                            jax.checkpoint(fn, policy=self._remat_policy, prevent_cse=False))
-    self._hooks = hooks
-    self._capture_time_hooks = capture_time_hooks
-    self._offload = offload
+    self._hooks = hooks_lib.by_phase(hooks, capture_time_hooks)
+    self._offload = offload_lib.Offloader(config.offload, enabled=offload)
     self._entries: dict[sig_lib.Signature, capture_lib.Executables] = {}
     self._own: set[Any] = set()  # cache keys this callable captured (reset() drops them)
     self._replayed: dict[Any, Any] = {}  # a shared executable -> the one this callable runs
-    # signature -> the kept buffers its forward replays copy to host (async offload)
-    self._to_host: dict[sig_lib.Signature, tuple[int, ...]] = {}
     self._fallback: Callable[..., Any] | None = None
     self._busy = threading.Lock()
     self._counts = _Counters()
@@ -164,7 +163,7 @@ class GraphedCallable:
     residual_bytes = offload_bytes = 0
     if last is not None:
       residual_bytes = last.residual_bytes
-      offload_bytes = sum(last.layout.buffers[i].nbytes for i in self._offloaded(last))
+      offload_bytes = self._offload.nbytes(last.layout.buffers)
     return self._counts.snapshot([segment._counts for segment in self._led_segments()],
                                  residual_bytes, offload_bytes)
 
@@ -194,7 +193,7 @@ class GraphedCallable:
     self._entries.clear()
     self._own.clear()
     self._replayed.clear()
-    self._to_host.clear()
+    self._offload.clear()
     self._fallback = None
 
   def _count_replay(self, *, backward: bool) -> None:
@@ -295,9 +294,8 @@ class GraphedCallable:
     return leaves, treedef
 
   def _call_traced(self, args: tuple[Any, ...], key: Any) -> Any:
-    flags = pullback_lib.mask_flags(self._config.grad_mask, args)
-    if flags is not None:  # under the user's jax.grad too, no gradient where the mask says
-      args = pullback_lib.stop_masked(args, flags)
+    # under the user's jax.grad too, no gradient where the mask says
+    args = pullback_lib.stop_masked(args, self._config.grad_mask)
     args = flat_lib.unravel(args)  # as inside a capture: fn sees its own pytrees
     if self._config.rng:
       if key is None:
@@ -307,26 +305,8 @@ class GraphedCallable:
     return self._uncaptured_fn(*args)
 
   def _vjp_traced(self, args: tuple[Any, ...], key: Any) -> Any:
-    return self._vjp(lambda *a: self._call_traced(a, key), args)
-
-  def _vjp(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """`jax.vjp(fn, *args)`, with respect to the leaves `grad_mask` lets through."""
-    flags = pullback_lib.mask_flags(self._config.grad_mask, args)
-    if flags is None:
-      return jax.vjp(fn, *args)
-    return pullback_lib.masked_vjp(fn, args, flags)
-
-  def _backward_hooks(self, phase: hooks_lib.Phase) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    if phase == "replay":
-      return self._hooks.pre_backward, self._hooks.backward
-    merged = self._capture_time_hooks + self._hooks
-    return merged.pre_backward, merged.backward
-
-  def _forward_hooks(self, phase: hooks_lib.Phase) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    if phase == "replay":
-      return self._hooks.pre_forward, self._hooks.forward
-    merged = self._capture_time_hooks + self._hooks
-    return merged.pre_forward, merged.forward
+    return pullback_lib.masked_vjp(lambda *a: self._call_traced(a, key), args,
+                                   self._config.grad_mask)
 
   def _entry(self, signature: sig_lib.Signature) -> capture_lib.Executables | None:
     """The executables for `signature`: cached, captured now, or None (fallback)."""
@@ -353,14 +333,7 @@ class GraphedCallable:
     return self._capture(signature)
 
   def _cache_key(self, signature: sig_lib.Signature) -> tuple[Any, ...]:
-    """Async offload leaves the executables as without offload: layers with and without it
-    share them."""
-    inside = self._offload and self._config.offload.mode == "executable"
-    return (self.fn, signature, inside)
-
-  def _offloaded(self, entry: capture_lib.Executables) -> tuple[int, ...]:
-    """The kept buffers of `entry` this callable offloads (by either mode)."""
-    return self._config.offload.select(entry.layout.buffers) if self._offload else ()
+    return (self.fn, signature, self._offload.in_executables)
 
   def _capture(self, signature: sig_lib.Signature) -> capture_lib.Executables:
     config = self._config
@@ -395,26 +368,12 @@ class GraphedCallable:
       else:
         self._counts.cache_hits += 1
     self._entries[signature] = entry
-    names = config.offload.names
-    if self._offload and names is not None and not any(
-        buffer.name in names for buffer in entry.layout.buffers):
-      warnings.warn(
-          f"{self.name}: offload_names={sorted(names)} names no residual this layer keeps, so "
-          "it offloads nothing. Names are read from checkpoint_name calls in the function "
-          "itself (not inside a nested jax.jit); check the spelling, or pass "
-          "offload_names=None to offload every residual.", stacklevel=5)
-    if config.offload.mode == "async":
-      self._to_host[signature] = self._offloaded(entry)
+    self._offload.captured(signature, entry.layout.buffers, owner=self.name)
     return entry
 
   def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
-    """The argument leaves of `signature` that get gradients: the float leaves `grad_mask`
-    lets through (a callable mask is called with `jax.ShapeDtypeStruct` arguments)."""
-    mask = self._config.grad_mask
-    if mask is None:
-      return pullback_lib.differentiated_leaves(signature)
-    args = jax.tree.unflatten(signature.treedef, [sig_lib.abstract(s) for s in signature.leaves])
-    return pullback_lib.differentiated_leaves(signature, pullback_lib.mask_flags(mask, args))
+    """The argument leaves of `signature` that get gradients (`pullback.masked_leaves`)."""
+    return pullback_lib.masked_leaves(signature, self._config.grad_mask)
 
   def _forward(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any, key: Any, *,
                phase: hooks_lib.Phase, iteration: int, microbatch: int, with_pullback: bool,
@@ -425,18 +384,19 @@ class GraphedCallable:
     if signature is None:
       signature = sig_lib.signature_of(leaves, treedef)
     entry = self._entry(signature)
-    pre, post = self._forward_hooks(phase)
+    hooks = self._hooks[phase]
     event = hooks_lib.HookEvent(self.index, phase, iteration, microbatch, args)
-    if pre:
-      hooks_lib.fire(pre, "pre_forward", event, self.name)
+    if hooks.pre_forward:
+      hooks_lib.fire(hooks.pre_forward, "pre_forward", event, self.name)
     if entry is None:
       result = self._fallback_forward(args, key, with_pullback, event)
     else:
       result = self._replay_forward(entry, leaves, key, with_pullback, event, stream)
     if phase == "replay":
       self._count_replay(backward=False)
-    if post:
-      hooks_lib.fire(post, "forward", dataclasses.replace(event, outputs=result[0]), self.name)
+    if hooks.forward:
+      hooks_lib.fire(hooks.forward, "forward", dataclasses.replace(event, outputs=result[0]),
+                     self.name)
     return result
 
   def _local(self, entry: capture_lib.Executables, exe: Any) -> Any:
@@ -495,12 +455,9 @@ class GraphedCallable:
       values = values[:n]
       inputs = inputs + derived
     outs, kept = values[:layout.n_out], values[layout.n_out:]
-    to_host = self._to_host.get(entry.signature, ()) if with_pullback else ()
+    to_host = self._offload.to_host.get(entry.signature, ()) if with_pullback else ()
     if to_host:
-      # Started now, the copies run while the next layers compute. Nothing holds the device
-      # arrays after this call returns; the runtime frees each once its copy has read it.
-      for i, array in zip(to_host, offload_lib.start_to_host([kept[i] for i in to_host])):
-        kept[i] = array
+      offload_lib.start_to_host_in(kept, to_host)
     if stream_mode and stream is None:  # the key is spent only once nothing can fail
       self._advance(counters)
     if not with_pullback:
@@ -509,7 +466,8 @@ class GraphedCallable:
         self, entry, needed_inputs=[inputs[i] for i in layout.needed_inputs],
         needed_outputs=[outs[i] for i in layout.needed_outputs], kept=kept, on_host=to_host,
         placements=sig_lib.respelled(leaves, layout.diff))
-    if not any(self._backward_hooks(event.phase)):
+    hooks = self._hooks[event.phase]
+    if not (hooks.pre_backward or hooks.backward):
       # Without backward hooks nobody reads the args again: don't keep them alive.
       event = hooks_lib.HookEvent(event.index, event.phase, event.iteration, event.microbatch, ())
     return jax.tree.unflatten(layout.out_treedef, outs), Pullback(self, event, backward)
@@ -527,7 +485,7 @@ class GraphedCallable:
     if not with_pullback:
       result = (fn(*args),)
     else:
-      out, vjp_fn = self._vjp(fn, args)
+      out, vjp_fn = pullback_lib.masked_vjp(fn, args, self._config.grad_mask)
       result = out, Pullback(self, event, lambda ct: (vjp_fn(ct), None))
     # Counted (and the stream advanced) only once the call succeeded.
     self._counts.fallbacks += 1

@@ -95,6 +95,13 @@ class Hooks:
 NO_HOOKS = Hooks()
 
 
+def by_phase(hooks: Hooks, capture_time_hooks: Hooks) -> dict[Phase, Hooks]:
+  """The hooks of one callable that fire in each phase: `hooks` on replay; in warmup and
+  capture the capture-time hooks too, first (Transformer Engine's order)."""
+  merged = capture_time_hooks + hooks
+  return {"warmup": merged, "capture": merged, "replay": hooks}
+
+
 def per_callable(hooks: Hooks | Sequence[Hooks | None] | None, count: int,
                  argument: str) -> tuple[Hooks, ...]:
   """One `Hooks` per callable from None, one `Hooks` for all, or a sequence of `count`."""

@@ -12,6 +12,9 @@ backward. `Policy` says which ones (by size, by `checkpoint_name`) and how they 
   backward executable copies them back before any compute reads them; each copy is serial
   with its executable.
 
+`Offloader` applies a policy to one layer: which kept buffers of each signature it captured go
+to host memory, and in async mode the copies there, started as each forward replay returns.
+
 `plan` picks the layers, and the buffers of each, whose copies hide behind compute, from
 measured link speeds (`measure_link`), per-layer times and each layer's kept buffers.
 """
@@ -21,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Literal, NamedTuple, Sequence
+import warnings
+from typing import Any, Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +106,62 @@ def start_to_device(arrays: Sequence[jax.Array]) -> list[jax.Array]:
   """Starts copying host arrays back to device memory; returns the device arrays at once (an
   executable reading one waits for its copy)."""
   return jax.device_put(list(arrays), [a.sharding.with_memory_kind("device") for a in arrays])
+
+
+class Offloader:
+  """One layer's offload: which kept buffers of each captured signature go to host memory,
+  and in async mode the copies there (the copies back: `Pullback.prefetch`).
+
+  Attributes:
+    policy: the policy of the layer's `make_graphed` call.
+    enabled: whether this layer offloads at all (`offload_residuals`).
+    to_host: signature -> the positions of the kept buffers its forward replays copy to host
+      memory (async mode).
+  """
+
+  def __init__(self, policy: Policy, *, enabled: bool):
+    self.policy = policy
+    self.enabled = enabled
+    self.to_host: dict[Any, tuple[int, ...]] = {}
+
+  @property
+  def in_executables(self) -> bool:
+    """Whether the executables copy (executable mode). Async offload leaves them as without
+    offload, so layers with and without it share them."""
+    return self.enabled and self.policy.mode == "executable"
+
+  def selected(self, buffers: Sequence[Buffer]) -> tuple[int, ...]:
+    """The positions of the kept `buffers` this layer offloads (by either mode)."""
+    return self.policy.select(buffers) if self.enabled else ()
+
+  def nbytes(self, buffers: Sequence[Buffer]) -> int:
+    """The bytes of the kept `buffers` this layer keeps in host memory."""
+    return sum(buffers[i].nbytes for i in self.selected(buffers))
+
+  def captured(self, signature: Any, buffers: Sequence[Buffer], *, owner: str) -> None:
+    """Takes in the kept `buffers` of a signature `owner` just captured: warns where
+    `policy.names` names none of them, and notes the copies its replays start."""
+    names = self.policy.names
+    if self.enabled and names is not None and not any(b.name in names for b in buffers):
+      warnings.warn(
+          f"{owner}: offload_names={sorted(names)} names no residual this layer keeps, so "
+          "it offloads nothing. Names are read from checkpoint_name calls in the function "
+          "itself (not inside a nested jax.jit); check the spelling, or pass "
+          "offload_names=None to offload every residual.", stacklevel=6)
+    if self.policy.mode == "async":
+      self.to_host[signature] = self.selected(buffers)
+
+  def clear(self) -> None:
+    self.to_host.clear()
+
+
+def start_to_host_in(kept: list[jax.Array], positions: tuple[int, ...]) -> None:
+  """Starts copying `kept[i]` to pinned host memory for each of `positions`, replacing each
+  by its host array. Started as the forward returns, the copies run while the next layers
+  compute; nothing holds the device arrays after, and the runtime frees each once its copy
+  has read it."""
+  for i, array in zip(positions, start_to_host([kept[i] for i in positions])):
+    kept[i] = array
 
 
 def check_backend_supports_offload() -> None:

@@ -33,9 +33,9 @@ class Owner(Protocol):
   name: str
   _config: Any
   _trace_names: tuple[str, str]
+  _hooks: dict[hooks_lib.Phase, hooks_lib.Hooks]  # `hooks.by_phase`
 
   def _local(self, entry: capture_lib.Executables, exe: Any) -> Any: ...
-  def _backward_hooks(self, phase: hooks_lib.Phase) -> tuple[Any, Any]: ...
   def _exclusive(self) -> Any: ...
   def _count_replay(self, *, backward: bool) -> None: ...
 
@@ -123,10 +123,22 @@ def differentiated_leaves(signature: sig_lib.Signature,
                and (flags is None or flags[i]))
 
 
-def masked_vjp(fn: Callable[..., Any], args: tuple[Any, ...], flags: Sequence[bool]
+def masked_leaves(signature: sig_lib.Signature, grad_mask: Any) -> tuple[int, ...]:
+  """The argument leaves of `signature` that get gradients: the float leaves `grad_mask` lets
+  through (a callable mask is called with `jax.ShapeDtypeStruct` arguments)."""
+  if grad_mask is None:
+    return differentiated_leaves(signature)
+  args = jax.tree.unflatten(signature.treedef, [sig_lib.abstract(s) for s in signature.leaves])
+  return differentiated_leaves(signature, mask_flags(grad_mask, args))
+
+
+def masked_vjp(fn: Callable[..., Any], args: tuple[Any, ...], grad_mask: Any
                ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
-  """`jax.vjp(fn, *args)` with respect to the leaves whose flag is set: the others are
+  """`jax.vjp(fn, *args)` with respect to the leaves `grad_mask` lets through: the others are
   constants of the linearization, their gradient a float0 zero (as an integer leaf's)."""
+  flags = mask_flags(grad_mask, args)
+  if flags is None:
+    return jax.vjp(fn, *args)
   leaves, treedef = jax.tree.flatten(args)
   kept = [i for i, flag in enumerate(flags) if flag]
 
@@ -147,9 +159,12 @@ def masked_vjp(fn: Callable[..., Any], args: tuple[Any, ...], flags: Sequence[bo
   return out, pullback
 
 
-def stop_masked(args: tuple[Any, ...], flags: Sequence[bool]) -> tuple[Any, ...]:
-  """`args` with `jax.lax.stop_gradient` on the leaves whose flag is off (under a user's
+def stop_masked(args: tuple[Any, ...], grad_mask: Any) -> tuple[Any, ...]:
+  """`args` with `jax.lax.stop_gradient` on the leaves `grad_mask` leaves out (under a user's
   transformation: no gradient flows into them)."""
+  flags = mask_flags(grad_mask, args)
+  if flags is None:
+    return args
   leaves, treedef = jax.tree.flatten(args)
   return jax.tree.unflatten(treedef, [leaf if flag else jax.lax.stop_gradient(leaf)
                                       for leaf, flag in zip(leaves, flags)])
@@ -344,7 +359,8 @@ class Pullback:
 
   def __call__(self, cotangents: Any) -> tuple[Any, ...]:
     owner, event = self._owner, self._event
-    pre, post = owner._backward_hooks(event.phase)
+    hooks = owner._hooks[event.phase]
+    pre, post = hooks.pre_backward, hooks.backward
     with owner._exclusive():  # a backward is a use of its callable: not concurrent with others
       if self.consumed:  # checked under the lock: two threads cannot both run it
         raise RuntimeError(
