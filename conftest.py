@@ -14,7 +14,8 @@ defaults. Markdown comments steer a block:
   block before it printed.
 
 A page's blocks share one namespace, so one xdist worker runs all of them (`xdist_group`
-per page; pyproject.toml's `--dist loadgroup`).
+per page; pyproject.toml's `--dist loadgroup`), in page order also when the suite is shuffled
+(`--random-order`: the `random_order(disabled=True)` mark).
 """
 
 from __future__ import annotations
@@ -50,4 +51,6 @@ def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector):
   page = _collect(file_path, parent)
   if page is not None:
     page.add_marker(pytest.mark.xdist_group(file_path.name))
+    # The blocks build on each other: an order shuffle (pytest-random-order) keeps a page's.
+    page.add_marker(pytest.mark.random_order(disabled=True))
   return page
