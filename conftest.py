@@ -15,7 +15,9 @@ defaults. Markdown comments steer a block:
 
 A page's blocks share one namespace, so one xdist worker runs all of them (`xdist_group`
 per page; pyproject.toml's `--dist loadgroup`), in page order also when the suite is shuffled
-(`--random-order`: the `random_order(disabled=True)` mark).
+(`--random-order`: the `random_order(disabled=True)` mark). Where xdist's grouping does not
+take (pytest-xdist 3.8 under pytest 9.2), the run stops at collection with the fix rather than
+failing the pages' blocks one by one.
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ _collect = Sybil(
     excludes=["docs/api.md"],  # generated from the docstrings; tests/test_docs.py checks it
     fixtures=["capsys", "tmp_path_factory"],
 ).pytest()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: the controller, once per worker
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+  """Stops the run where `--dist loadgroup` would not keep a docs page's blocks together."""
+  if node.config.getoption("dist", None) != "loadgroup":
+    return
+  ungrouped = [nodeid for nodeid in ids if nodeid.partition("::")[0].endswith(".md")
+               and "@" not in nodeid]
+  if ungrouped:
+    pytest.exit(
+        f"--dist loadgroup did not group {ungrouped[0]} (pytest {pytest.__version__}): "
+        "pytest-xdist marks a group by rewriting the test's node id, which pytest 9.2 no "
+        "longer reads (pytest-xdist issue 1386), so a docs page's blocks would run on "
+        "different workers and fail. Install the test extra's pytest "
+        "(pip install -e '.[test]' gives pytest<9.2), or run with -n 0.",
+        returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector):

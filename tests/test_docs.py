@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import re
+import types
 
+import pytest
 from sybil import Document
 from sybil.parsers.markdown import CodeBlockParser
 
@@ -20,6 +22,26 @@ def _load_generator():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def _load_root_conftest():
+  spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_docs_run_stops_where_xdist_would_not_keep_a_page_together():
+  """pytest-xdist 3.8 under pytest 9.2 drops the `@group` of the node ids it reports: the run
+  stops at collection with the fix instead of failing a page's blocks on two workers."""
+  check = _load_root_conftest().pytest_xdist_node_collection_finished
+  node = lambda dist: types.SimpleNamespace(
+      config=types.SimpleNamespace(getoption=lambda name, default=None: dist))
+  grouped = ["README.md::line:67,column:1@README.md", "tests/test_api.py::test_vjp"]
+  check(node("loadgroup"), grouped)
+  check(node("load"), ["README.md::line:67,column:1"])  # no grouping asked for
+  with pytest.raises(pytest.exit.Exception, match=r"pytest<9\.2.*or run with -n 0"):
+    check(node("loadgroup"), ["tests/test_api.py::test_vjp", "docs/fsdp.md::line:9,column:1"])
 
 
 def test_api_page_is_generated_from_the_docstrings():
