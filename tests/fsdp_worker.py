@@ -92,7 +92,7 @@ def train_graphed(mesh: Mesh | None, steps: int = STEPS, layers: int = LAYERS
     loss, ct = loss_and_ct(y, t)
     grads, _ = pullback(ct)
     params, opt_state = update(grads, opt_state, params)
-    losses.append(loss)
+    losses.append(jax.block_until_ready(loss))  # one step in flight: reliability.md
   gathered = multihost_utils.process_allgather(params, tiled=True)
   return np.asarray(jax.device_get(losses)), gathered, graphed
 
@@ -121,7 +121,7 @@ def train_jit(mesh: Mesh, steps: int = STEPS, layers: int = LAYERS
   losses = []
   for _ in range(steps):
     params, opt_state, loss = step(params, opt_state, x, t)
-    losses.append(loss)
+    losses.append(jax.block_until_ready(loss))
   return np.asarray(jax.device_get(losses)), multihost_utils.process_allgather(params, tiled=True)
 
 

@@ -280,7 +280,7 @@ def _train_fsdp(mesh, params, layer_fn, x, t):
     for g, p in zip(grads, params):  # gradients come back sharded like their buffers
       assert [b.sharding for b in jax.tree.leaves(g)] == [b.sharding for b in jax.tree.leaves(p)]
     params, opt_state = update(grads, opt_state, params)
-    losses.append(loss)
+    losses.append(jax.block_until_ready(loss))  # one step in flight: reliability.md
   return np.asarray(losses), params, layers
 
 

@@ -303,14 +303,16 @@ class Placement:
   concurrently, e.g. the next microbatch's embedding forward during this one's backward) can
   pair their collectives wrongly and deadlock (2 processes hung in the first step; one
   process of 8 devices in --check's timing rounds). Without `jax.distributed` one process's
-  CPU devices use XLA's in-process collectives (no such hang seen); GPU streams run
-  executables in order.
+  CPU devices use XLA's in-process collectives, which hang another way: with executions
+  piled up on a device (its limit is 32 in flight) on fewer cores than devices
+  (docs/reliability.md, "CPU collectives"); so on any CPU mesh each step is waited for
+  before the next is dispatched (`wait`). GPU streams run executables in order.
   """
 
   def __init__(self, mesh: Mesh | None = None, min_size: int = fsdp.MIN_SHARD_SIZE):
     self.mesh, self.min_size = mesh, min_size
-    self.serial = (mesh is not None and jax.distributed.is_initialized()
-                   and mesh.devices.flat[0].platform == "cpu")
+    self.on_cpu = mesh is not None and mesh.devices.flat[0].platform == "cpu"
+    self.serial = self.on_cpu and jax.distributed.is_initialized()
 
   @property
   def devices(self) -> int:
@@ -361,8 +363,8 @@ class Placement:
     return jax.tree.map(put, tree)
 
   def wait(self, tree: Any) -> Any:
-    """`tree`, waited for when executables run one at a time (`serial`)."""
-    return jax.block_until_ready(tree) if self.serial else tree
+    """`tree` (a step's results), waited for on a CPU mesh."""
+    return jax.block_until_ready(tree) if self.on_cpu else tree
 
   def hooks(self) -> dict[str, Any]:
     """`make_graphed` options: with `serial`, hooks that wait for every layer's outputs and
