@@ -19,7 +19,8 @@ is not what ran. A copy without .git (the GPU machine) takes `--commit SHA`, the
 
 `--check` is the landing rule of docs/reliability.md ("Running the tests on a GPU"): the
 record is of README's command, it passed, and no commit after its commit changes
-jaxgraph/, tests/, examples/ or pyproject.toml, nor does the working tree.
+jaxgraph/, tests/, examples/, pyproject.toml or the root conftest.py (the docs' run), nor
+does the working tree.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Sequence
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORD = pathlib.Path("docs/results/gpu-suite.txt")  # relative to the repository root
 COMMAND = ("python", "-m", "pytest", "-n", "4")  # README's GPU test command
-GUARDED = ("jaxgraph", "tests", "examples", "pyproject.toml")  # a change needs a new run
+GUARDED = ("jaxgraph", "tests", "examples", "pyproject.toml", "conftest.py")  # need a new run
 _PROBE = ("import json, jax, jaxlib; d = jax.devices(); print(json.dumps(dict("
           "jax=jax.__version__, jaxlib=jaxlib.__version__, platform=d[0].platform, "
           "count=len(d), kind=d[0].device_kind)))")

@@ -91,8 +91,9 @@ def train_graphed(mesh: Mesh | None, steps: int = STEPS, layers: int = LAYERS
     y, pullback = jg.sequential_vjp(graphed, params, x)
     loss, ct = loss_and_ct(y, t)
     grads, _ = pullback(ct)
-    params, opt_state = update(grads, opt_state, params)
-    losses.append(jax.block_until_ready(loss))  # one step in flight: reliability.md
+    # One step in flight: XLA:CPU's collectives can hang under more (reliability.md).
+    params, opt_state = jax.block_until_ready(update(grads, opt_state, params))
+    losses.append(loss)
   gathered = multihost_utils.process_allgather(params, tiled=True)
   return np.asarray(jax.device_get(losses)), gathered, graphed
 
@@ -120,8 +121,8 @@ def train_jit(mesh: Mesh, steps: int = STEPS, layers: int = LAYERS
 
   losses = []
   for _ in range(steps):
-    params, opt_state, loss = step(params, opt_state, x, t)
-    losses.append(jax.block_until_ready(loss))
+    params, opt_state, loss = jax.block_until_ready(step(params, opt_state, x, t))
+    losses.append(loss)
   return np.asarray(jax.device_get(losses)), multihost_utils.process_allgather(params, tiled=True)
 
 

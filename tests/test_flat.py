@@ -279,8 +279,9 @@ def _train_fsdp(mesh, params, layer_fn, x, t):
     grads, _ = pullback(ct)
     for g, p in zip(grads, params):  # gradients come back sharded like their buffers
       assert [b.sharding for b in jax.tree.leaves(g)] == [b.sharding for b in jax.tree.leaves(p)]
-    params, opt_state = update(grads, opt_state, params)
-    losses.append(jax.block_until_ready(loss))  # one step in flight: reliability.md
+    # One step in flight: XLA:CPU's collectives can hang under more (reliability.md).
+    params, opt_state = jax.block_until_ready(update(grads, opt_state, params))
+    losses.append(loss)
   return np.asarray(losses), params, layers
 
 

@@ -132,9 +132,12 @@ def test_check_holds_the_landing_rule(tmp_path):
   _git(root, "add", "-A")
   _git(root, "commit", "-qm", "docs")
   assert gpu_suite.check(root, record) == []
+  changed = ["the working tree changes jaxgraph, tests, examples, pyproject.toml, conftest.py"]
+  (root / "conftest.py").write_text("# the docs' run\n")  # the root conftest counts too
+  assert gpu_suite.check(root, record) == changed
+  (root / "conftest.py").unlink()
   (root / "tests" / "test_two.py").write_text("def test_passes():\n  pass\n")
-  assert gpu_suite.check(root, record) == [
-      "the working tree changes jaxgraph, tests, examples, pyproject.toml"]
+  assert gpu_suite.check(root, record) == changed
   _git(root, "commit", "-qam", "a test changed")
   (problem,) = gpu_suite.check(root, record)
   assert problem.startswith("commits after the record change") and "a test changed" in problem

@@ -80,9 +80,10 @@ def _train(layers, params, x, steps=2, keys=None):
     step_keys = None if keys is None else [jax.random.fold_in(k, step) for k in keys]
     y, pullback = jg.sequential_vjp(layers, params, x, keys=step_keys)
     grads, g_x = pullback((y / y.size).astype(y.dtype))
-    history.append(jax.block_until_ready((y, grads, g_x)))  # reliability.md, "CPU collectives"
-    params = [jax.tree.map(lambda p, g: (p - 0.01 * g).astype(p.dtype), p, g)
-              for p, g in zip(params, grads)]
+    history.append((y, grads, g_x))
+    # One step in flight: XLA:CPU's collectives can hang under more (reliability.md).
+    params = jax.block_until_ready([jax.tree.map(lambda p, g: (p - 0.01 * g).astype(p.dtype),
+                                                 p, g) for p, g in zip(params, grads)])
   return history
 
 

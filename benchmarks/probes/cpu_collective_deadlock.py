@@ -5,8 +5,9 @@ and backward its own `jax.jit` (weights all-gathered inside), trained with SGD f
 the way a per-layer runner dispatches (about 30 executions a step). `--processes` copies
 run at once to load the cores. Each copy runs `--steps` steps, waiting for the results
 every `--wait-every` steps (0: never until the end), and reports whether it finished or
-the runtime ended it: XLA aborts a collective that not every device joined within
-`--timeout` seconds (`--xla_cpu_collective_call_terminate_timeout_seconds`).
+XLA aborted it in a collective that not every device joined within `--timeout` seconds
+(`--xla_cpu_collective_call_terminate_timeout_seconds`; the hang itself outlasts 400 s on
+an idle machine, docs/reliability.md), or it ran past `--deadline` (killed: stuck elsewhere).
 
 Found behind a worker abort in the CPU suite (docs/reliability.md, "CPU collectives"):
 with more executions in flight on a device than its limit (32), the thread launching the
@@ -15,7 +16,7 @@ thread per device on a machine with fewer cores; the devices already in an all-g
 for one that no free thread can start.
 
   PYTHONPATH=. python3 benchmarks/probes/cpu_collective_deadlock.py --processes 4 \\
-      --steps 1500 --wait-every 0 1 0 1                  # 2 cores: some hang, then none
+      --steps 1500 --wait-every 0 1 0 1                  # 2 cores: some abort, then none
   PYTHONPATH=. python3 benchmarks/probes/cpu_collective_deadlock.py --processes 1 \\
       --steps 3 --wait-every 0 1                         # smoke run
 """
@@ -27,13 +28,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 DEVICES = 8
 
 
 def child(steps: int, wait_every: int) -> None:
-  """One copy: trains and prints the steps it dispatched, one line each."""
+  """One copy: trains and prints each step it dispatched (or, waiting, finished)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -72,25 +74,46 @@ def child(steps: int, wait_every: int) -> None:
   jax.block_until_ready(params)
 
 
-def run(processes: int, steps: int, wait_every: int, timeout: int) -> dict[str, object]:
-  """`processes` copies at once; how many finished, and how many the runtime aborted."""
+def run(processes: int, steps: int, wait_every: int, timeout: int, deadline: int
+        ) -> dict[str, object]:
+  """`processes` copies at once: how many finished, XLA aborted, or had to be killed."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
       f"--xla_force_host_platform_device_count={DEVICES} "
       f"--xla_cpu_collective_call_terminate_timeout_seconds={timeout}"))
   command = [sys.executable, __file__, "--child", str(steps), str(wait_every)]
   begin = time.perf_counter()
-  copies = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(processes)]
-  outcomes = []
-  for copy in copies:
-    out, err = copy.communicate()
-    hung = "Termination timeout" in err
-    outcomes.append(dict(returncode=copy.returncode, steps_done=len(out.split()),
-                         hung=hung, error=None if copy.returncode == 0 or hung else err[-500:]))
-  return dict(processes=processes, steps=steps, wait_every=wait_every,
-              finished=sum(o["returncode"] == 0 for o in outcomes),
-              hung=sum(o["hung"] for o in outcomes), seconds=time.perf_counter() - begin,
-              copies=outcomes)
+  with tempfile.TemporaryDirectory() as folder:
+    # Output to files, not pipes: a copy never blocks on a full pipe nobody reads yet.
+    logs = [(open(os.path.join(folder, f"{i}.out"), "w+"),
+             open(os.path.join(folder, f"{i}.err"), "w+")) for i in range(processes)]
+    copies = [subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
+              for out, err in logs]
+    outcomes = []
+    for copy, (out, err) in zip(copies, logs):
+      try:
+        copy.wait(timeout=max(1.0, deadline - (time.perf_counter() - begin)))
+        killed = False
+      except subprocess.TimeoutExpired:
+        copy.kill()
+        copy.wait()
+        killed = True
+      out.seek(0)
+      err.seek(0)
+      stdout, stderr = out.read(), err.read()
+      aborted = "Termination timeout" in stderr
+      outcomes.append(dict(
+          returncode=copy.returncode, steps_dispatched=len(stdout.split()), aborted=aborted,
+          killed=killed, error=None if copy.returncode == 0 or aborted or killed
+          else stderr[-500:]))
+    for out, err in logs:
+      out.close()
+      err.close()
+  finished = sum(o["returncode"] == 0 for o in outcomes)
+  aborted = sum(o["aborted"] for o in outcomes)
+  killed = sum(o["killed"] for o in outcomes)
+  return dict(processes=processes, steps=steps, wait_every=wait_every, finished=finished,
+              aborted=aborted, killed=killed, other=processes - finished - aborted - killed,
+              seconds=time.perf_counter() - begin, copies=outcomes)
 
 
 def main() -> None:
@@ -101,16 +124,20 @@ def main() -> None:
                       help="wait for the results every N steps (0: only at the end)")
   parser.add_argument("--timeout", type=int, default=20,
                       help="seconds before XLA aborts an all-gather not every device joined")
+  parser.add_argument("--deadline", type=int, default=900,
+                      help="seconds before the copies still running are killed")
   parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
     child(*args.child)
     return
-  results = [run(args.processes, args.steps, n, args.timeout) for n in args.wait_every]
-  print(f"{'wait every':>10} {'copies':>6} {'finished':>8} {'hung':>4} {'seconds':>8}")
+  results = [run(args.processes, args.steps, n, args.timeout, args.deadline)
+             for n in args.wait_every]
+  print(f"{'wait every':>10} {'copies':>6} {'finished':>8} {'aborted':>7} {'killed':>6} "
+        f"{'other':>5} {'seconds':>8}")
   for r in results:
     print(f"{r['wait_every'] or 'never':>10} {r['processes']:>6} {r['finished']:>8} "
-          f"{r['hung']:>4} {r['seconds']:>8.1f}")
+          f"{r['aborted']:>7} {r['killed']:>6} {r['other']:>5} {r['seconds']:>8.1f}")
   print(json.dumps(dict(cores=os.cpu_count(), results=results)))
 
 
