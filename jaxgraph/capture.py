@@ -410,7 +410,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
             offload: offload_lib.Policy | None, name: str,
             remat_policy: Callable[..., bool] | None = None,
-            loose_names: bool = False) -> Executables:
+            loose_names: bool = False, warn_constants: bool = True) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -430,14 +430,17 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
     remat_policy: a `jax.checkpoint` policy choosing the residuals (None: all of `jax.vjp`'s).
     loose_names: keep the residuals named with `checkpoint_name` out of the packed buffers
       (offload selects them by name: `make_graphed(..., offload_names=...)`).
+    warn_constants: warn of constant keys and closed-over weights (a fused chain does not:
+      each of its layers warned at its own capture).
   """
   timer = _Timer()
   start = time.perf_counter()
   closed, layout = trace_forward(fn, signature, n_keys=n_keys, diff=diff, name=name,
                                  remat_policy=remat_policy, loose_names=loose_names)
   trace_seconds = time.perf_counter() - start
-  _warn_constant_keys(closed, name)
-  _warn_constant_weights(closed, name)
+  if warn_constants:
+    _warn_constant_keys(closed, name)
+    _warn_constant_weights(closed, name)
   first: ForwardKind = "stream" if n_keys else "explicit"
   moved = offload.select(layout.buffers) if offload is not None else ()
   fwd = _forward_fn(closed, layout, first, outputs_only=False, moved=moved)

@@ -117,6 +117,10 @@ class FusedSegment(graphed_lib.GraphedCallable):
   def _remat_policy(self) -> None:
     return None  # the chain applies it per function
 
+  @property
+  def _warns_of_constants(self) -> bool:
+    return False  # each layer warned at its own capture (make_graphed captures every one)
+
   def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
     """With a `grad_mask`: each layer's params leaves as its mask says of `(params_i, x,
     *consts)`, the input `x` as the first layer's says; the consts none (the chain stops

@@ -356,7 +356,8 @@ class GraphedCallable:
                     wgrad_argnums=config.wgrad_argnums),
                 offload=config.offload if cache_key[-1] else None,
                 remat_policy=self._remat_policy, name=self.name,
-                loose_names=config.offload.names is not None)
+                loose_names=config.offload.names is not None,
+                warn_constants=self._warns_of_constants)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")
@@ -419,6 +420,11 @@ class GraphedCallable:
   def _remat_policy(self) -> Callable[..., bool] | None:
     """The residual policy applied around `fn` (a fused chain applies it per function)."""
     return self._config.remat_policy
+
+  @property
+  def _warns_of_constants(self) -> bool:
+    """Whether a capture warns of constant keys and closed-over weights in `fn`."""
+    return True
 
   def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
     """(base, index, counter) for the stream forward; `stream` overrides base and counter."""

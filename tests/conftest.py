@@ -15,8 +15,9 @@ The CPU backend gets 8 virtual devices either way: `@pytest.mark.devices(n)` tes
 default backend when it has `n` devices, else on the CPU backend's (they test plumbing, not
 GPU kernels), else they are skipped with a reason naming the count (`models.devices_for`).
 
-On CPU the run shares one persistent XLA compilation cache (`_compilation_cache`), and
-pyproject.toml runs it on two xdist workers (`-n 2`).
+On CPU the run shares one persistent XLA compilation cache (`_compilation_cache`), also with
+the scripts the tests start (`compilation_cache_env`), and pyproject.toml runs it on two
+xdist workers (`-n 2`).
 """
 
 import atexit
@@ -90,6 +91,16 @@ if (_cache := _compilation_cache()) is not None:
   jax.config.update("jax_compilation_cache_dir", _cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def compilation_cache_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+  """The environment variables that give a process a test starts (an example, a benchmark)
+  a persistent compilation cache: on the CPU the run's (`_compilation_cache`), shared with
+  every process of the run; elsewhere, or with it off, one of this worker's own."""
+  path = _cache or str(tmp_path_factory.mktemp("jax-cache"))
+  return {"JAX_COMPILATION_CACHE_DIR": path, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _count(platform: str | None) -> str:

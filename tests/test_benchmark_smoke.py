@@ -15,13 +15,23 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *args):
-  """`script` (a path under benchmarks/) run on the CPU as the README says, from the root."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
-                       capture_output=True, text=True, env=env, timeout=900, check=False)
-  assert run.returncode == 0, run.stderr[-4000:]
+# A smoke run checks that a script runs and reports, not its numbers: XLA:CPU compiles
+# without LLVM's optimizations (compiles take about half the time; numerics may differ).
+SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+@pytest.fixture
+def run_script(compilation_cache_env):
+  """Runs a script under benchmarks/ on the CPU as the README says, from the root, with the
+  run's compilation cache (what an earlier script compiled is not compiled again)."""
+  def run(script, *args):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=SMOKE_XLA_FLAGS,
+               **compilation_cache_env)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, env=env, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
   return run
 
 
@@ -41,7 +51,7 @@ SMOKE_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-recom
                   "jaxgraph-raw-own", "jit-unrolled", "jit-unrolled-nodropout", "jit-scan")
 
 
-def test_bench_tiny_reports_its_variants(tmp_path):
+def test_bench_tiny_reports_its_variants(run_script, tmp_path):
   bench = _module("bench")
   assert set(SMOKE_VARIANTS) <= set(bench.JAX_VARIANTS)
 
@@ -50,7 +60,7 @@ def test_bench_tiny_reports_its_variants(tmp_path):
     return {(s.base, m) for s in specs for m in s.modifiers} | {(s.base, None) for s in specs}
 
   assert pairs(SMOKE_VARIANTS) == pairs(bench.JAX_VARIANTS)
-  run = _run("bench.py", "--tiny", "--no-probes", "--iters", "1", "--reps", "1", "--out",
+  run = run_script("bench.py", "--tiny", "--no-probes", "--iters", "1", "--reps", "1", "--out",
              str(tmp_path), "--variants", *SMOKE_VARIANTS, *bench.TORCH_VARIANTS)
   with open(tmp_path / "bench.json") as f:
     result = json.load(f)
@@ -66,29 +76,24 @@ def test_bench_tiny_reports_its_variants(tmp_path):
   assert (tmp_path / "bench.png").exists() or "no plot" in run.stdout
 
 
-def test_llama_breakdown_tiny_reports_each_part(tmp_path):
+def test_llama_breakdown_tiny_reports_each_part(run_script, tmp_path):
   """benchmarks/probes/llama_breakdown.py follows the Llama example it measures (it builds
   the example's trainer and whole step): it runs at the tiny preset and reports its parts."""
-  _run("probes/llama_breakdown.py", "--preset", "tiny", "--rounds", "1", "--steps", "1",
-       "--variants", "recompute", "--out", str(tmp_path))
+  run_script("probes/llama_breakdown.py", "--preset", "tiny", "--rounds", "1", "--steps", "1",
+             "--variants", "recompute", "--out", str(tmp_path))
   with open(tmp_path / "breakdown.json") as f:
     found = json.load(f)["variants"]["recompute"]
   assert found["call"]["arrays_per_vjp"] >= 2 and found["call"]["vjp_host_us"] > 0
   assert found["step"]["graphed_tok_s"] > 0 and found["step"]["whole_tok_s"] > 0
 
 
-def test_llama_offload_tiny_reports_each_variant(tmp_path):
+def test_llama_offload_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/llama_offload.py builds the Llama example's step with its --offload, one
   process per variant, and reports tokens/s, the bytes moved and the plan (no device memory
   statistics on the CPU)."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  run = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "llama_offload.py"), "--preset",
-       "tiny", "--variants", "none", "all", "--warmup", "1", "--rounds", "1",
-       "--round-steps", "1", "--out", str(tmp_path)],
-      capture_output=True, text=True, env=env, timeout=900, check=False)
-  assert run.returncode == 0, run.stderr[-4000:]
+  run = run_script("llama_offload.py", "--preset", "tiny", "--variants", "none", "all",
+                   "--warmup", "1", "--rounds", "1", "--round-steps", "1", "--out",
+                   str(tmp_path))
   with open(tmp_path / "llama_offload.json") as f:
     found = json.load(f)
   none, everything = found["variants"]["none"], found["variants"]["all"]
@@ -99,11 +104,11 @@ def test_llama_offload_tiny_reports_each_variant(tmp_path):
   assert "block       fwd ms" in run.stdout  # the plan's per-block measurement
 
 
-def test_fusion_probe_tiny_reports_each_variant(tmp_path):
+def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/probes/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT
   and the Llama example, and reports their timings, host costs and executables (no GPU
   trace on the CPU)."""
-  run = _run("probes/fusion_probe.py", "--tiny", "--out", str(tmp_path))
+  run = run_script("probes/fusion_probe.py", "--tiny", "--out", str(tmp_path))
   assert "FAILED" not in run.stdout, run.stdout[-4000:]
   with open(tmp_path / "fusion_probe.json") as f:
     records = {(r["model"], r["variant"]): r for r in json.load(f)["records"]}
@@ -119,11 +124,11 @@ def test_fusion_probe_tiny_reports_each_variant(tmp_path):
     assert r["fused"] == ("vs_per_layer" in r)
 
 
-def test_profile_replay_tiny_traces_and_profiles_jaxgraph(tmp_path):
+def test_profile_replay_tiny_traces_and_profiles_jaxgraph(run_script, tmp_path):
   """benchmarks/probes/profile_replay.py traces a bench.py variant (the host's events on the
   CPU) and profiles jaxgraph's host side."""
-  _run("probes/profile_replay.py", "--size", "tiny", "--steps", "1", "--variants", "jaxgraph",
-       "--out", str(tmp_path))
+  run_script("probes/profile_replay.py", "--size", "tiny", "--steps", "1", "--variants",
+             "jaxgraph", "--out", str(tmp_path))
   with open(tmp_path / "profile.json") as f:
     [result] = json.load(f)["results"]
   assert result["variant"] == "jaxgraph" and result["traced_step_ms"] > 0
@@ -131,7 +136,7 @@ def test_profile_replay_tiny_traces_and_profiles_jaxgraph(tmp_path):
   assert "function calls" in (tmp_path / "host_profile.txt").read_text()
 
 
-def test_native_breakdown_charges_each_sample_to_its_innermost_part(tmp_path):
+def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, tmp_path):
   """benchmarks/probes/native_breakdown.py on collapsed stacks written here: a specific part
   anywhere on the stack wins over the generic ones, which go innermost first."""
   stacks = tmp_path / "native_jaxgraph.txt"
@@ -140,7 +145,7 @@ def test_native_breakdown_charges_each_sample_to_its_innermost_part(tmp_path):
                     "main;jaxgraph/graphed.py:vjp 1\n"
                     "main;loop 1\n")
   (tmp_path / "native_jaxgraph.json").write_text(json.dumps(dict(seconds=0.01, calls=10)))
-  run = _run("probes/native_breakdown.py", str(stacks))
+  run = run_script("probes/native_breakdown.py", str(stacks))
   shares = {line[:42].strip(): line[42:].split() for line in run.stdout.splitlines()[1:]
             if "%" in line}
   assert shares["launch (cuGraphLaunch, kernel launch)"] == ["60.0%", "600.0"]
@@ -150,9 +155,9 @@ def test_native_breakdown_charges_each_sample_to_its_innermost_part(tmp_path):
   assert shares["all (wall time / executable calls)"] == ["100.0%", "1000.0"]
 
 
-def test_host_per_call_reports_the_tree_it_measured():
+def test_host_per_call_reports_the_tree_it_measured(run_script):
   """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names)."""
-  run = _run("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2")
+  run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2")
   result = json.loads(run.stdout.splitlines()[-1])
   assert os.path.realpath(result["jaxgraph"]) == os.path.realpath(
       os.path.join(ROOT, "jaxgraph", "__init__.py"))
@@ -204,16 +209,10 @@ def test_default_attention_follows_the_backend(platform_gate, cudnn):
   assert harness.attention("default") is None
 
 
-def test_lora_bench_tiny_reports_both_variants(tmp_path):
+def test_lora_bench_tiny_reports_both_variants(run_script, tmp_path):
   """benchmarks/lora_bench.py times the backward of a LoRA stack with and without
   `grad_mask`; its masked backward has the two frozen base weights' dW matmuls fewer."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  run = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "lora_bench.py"), "--tiny", "--out",
-       str(tmp_path)],
-      capture_output=True, text=True, env=env, timeout=900, check=False)
-  assert run.returncode == 0, run.stderr[-4000:]
+  run = run_script("lora_bench.py", "--tiny", "--out", str(tmp_path))
   assert "| lora |" in run.stdout and "lora / full:" in run.stdout
   with open(tmp_path / "lora_bench.json") as f:
     result = json.load(f)
@@ -223,12 +222,12 @@ def test_lora_bench_tiny_reports_both_variants(tmp_path):
   assert lora["backward_matmuls_per_layer"] == full["backward_matmuls_per_layer"] - 2
 
 
-def test_cpu_collective_deadlock_probe_reports_each_setting():
+def test_cpu_collective_deadlock_probe_reports_each_setting(run_script):
   """benchmarks/probes/cpu_collective_deadlock.py trains plain-JAX FSDP layers on 8 CPU
   devices in child processes and reports, per waiting interval, the copies that finished,
   those XLA's runtime aborted in a collective and any other end (one light copy: it
   finishes)."""
-  run = _run("probes/cpu_collective_deadlock.py", "--processes", "1", "--steps", "3",
+  run = run_script("probes/cpu_collective_deadlock.py", "--processes", "1", "--steps", "3",
              "--wait-every", "0", "1")
   result = json.loads(run.stdout.strip().splitlines()[-1])
   assert [r["wait_every"] for r in result["results"]] == [0, 1]

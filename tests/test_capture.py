@@ -180,6 +180,24 @@ def test_a_closed_over_weight_warns_with_the_fix(fn):
   assert issubclass(jg.ConstantWeightWarning, UserWarning)
 
 
+def test_a_fused_chain_does_not_warn_again():
+  """Each layer warned at its own capture: the fused segment's capture of the same
+  functions says nothing new."""
+  def scaled(s, x):
+    return _closes_over_w(x) * s
+
+  scales = [jnp.float32(1.0), jnp.float32(2.0)]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    layers = jg.make_graphed([scaled, scaled], sample_args=[(s, X) for s in scales],
+                             num_warmup_iters=0)
+    assert layers[0].stats.captures == 1  # the identical second layer shares the capture
+    y, pullback = jg.sequential_vjp(layers, scales, X, fuse=True)
+    pullback(jnp.ones_like(y))
+  assert layers[0].stats.captures == 2  # and the fused chain's
+  assert [str(w.message).split(":")[0] for w in caught] == ["scaled[0]"]
+
+
 def test_a_module_closed_over_by_a_partial_warns():
   """A Flax module handed over inside a partial is not refused (make_graphed sees a
   partial), but its kernel feeds a matmul as a constant: the warning names it."""

@@ -32,18 +32,16 @@ EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-  """One persistent compilation cache for the runs: the later ones skip XLA compiles.
+def env(compilation_cache_env: dict[str, str]) -> dict[str, str]:
+  """The environment of the runs: a persistent compilation cache the later ones (and other
+  processes of the test run) share, so that they skip XLA compiles.
 
   The scripts run where the tests run: the environment tests/conftest.py set up (CPU, or the
   GPU with deterministic reductions, which the bitwise resume check needs), and with this
   checkout's jaxgraph, whatever else is installed.
   """
-  cache = tmp_path_factory.mktemp("jax-cache")
   path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-  return {**os.environ, "PYTHONPATH": path, "JAX_COMPILATION_CACHE_DIR": str(cache),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+  return {**os.environ, "PYTHONPATH": path, **compilation_cache_env}
 
 
 def _run(script: str, env: dict[str, str], *args: str) -> str:
@@ -245,6 +243,8 @@ def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, en
 # ------------------------------------------------------------------------------- --fsdp
 
 FSDP = ["--preset", "tiny", "--steps", "12", "--fsdp", "8"]
+# The --fsdp tests on one xdist worker: they share the 8-device run of `fsdp_run`.
+FSDP_GROUP = pytest.mark.xdist_group("llama-fsdp")
 
 
 def _cpu_env(env: dict[str, str], devices: int) -> dict[str, str]:
@@ -290,6 +290,7 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory,
   return out, json.loads((out / "metrics.json").read_text()), log
 
 
+@FSDP_GROUP
 def test_llama_fsdp_shards_the_state_and_matches_the_whole_step(fsdp_run):
   out, metrics, log = fsdp_run
   assert "sharded over 8 cpu devices of 1 process(es)" in log
@@ -340,6 +341,7 @@ def test_llama_fsdp_shards_the_state_and_matches_the_whole_step(fsdp_run):
   assert len(metrics["generation"]["continuation"]) == 4
 
 
+@FSDP_GROUP
 def test_llama_fsdp_resumes_bitwise(fsdp_run, tmp_path, env):
   out, metrics, _ = fsdp_run
   parts = tmp_path / "parts"
@@ -353,6 +355,7 @@ def test_llama_fsdp_resumes_bitwise(fsdp_run, tmp_path, env):
   assert resumed["params_sha256"] == metrics["params_sha256"]
 
 
+@FSDP_GROUP
 def test_llama_fsdp_two_processes_agree_with_one(fsdp_run, tmp_path, env):
   out, metrics, _ = fsdp_run
   port = free_port()
