@@ -2,7 +2,8 @@
 
 Two CPU processes on 127.0.0.1 with 4 virtual devices each train the graphed FSDP stack of
 tests/fsdp_worker.py over all 8 devices; cross-process collectives go through gloo (the
-default `jax_cpu_collectives_implementation` on CPU in jax 0.10).
+default `jax_cpu_collectives_implementation` on CPU in jax 0.10). The reference is the same
+worker alone over 8 devices under `jax.distributed`, whose collectives go through gloo too.
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ import pathlib
 import sys
 
 import numpy as np
-import pytest
 
 import fsdp_worker
-from jaxgraph import fsdp
-from models import devices_for
 from processes import free_port, run_processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -25,22 +23,23 @@ PROCESSES, LOCAL_DEVICES = 2, 4
 TIMEOUT_S = 240
 
 
-def _run_workers(tmp_path: pathlib.Path) -> list[dict[str, np.ndarray]]:
-  """Starts the workers, waits for both (bounded), returns what each one saved."""
+def _run_workers(tmp_path: pathlib.Path, processes: int,
+                 local_devices: int) -> list[dict[str, np.ndarray]]:
+  """Starts `processes` workers of `local_devices` CPU devices each, waits for all of them
+  (bounded), returns what each one saved."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
   port = free_port()
-  outs = [tmp_path / f"process{i}.npz" for i in range(PROCESSES)]
+  outs = [tmp_path / f"{processes}x{local_devices}-process{i}.npz" for i in range(processes)]
   run_processes([[sys.executable, str(WORKER), "--process-id", str(i), "--num-processes",
-                  str(PROCESSES), "--port", str(port), "--out", str(outs[i])]
-                 for i in range(PROCESSES)], env, TIMEOUT_S)
+                  str(processes), "--port", str(port), "--out", str(outs[i])]
+                 for i in range(processes)], env, TIMEOUT_S)
   return [dict(np.load(out)) for out in outs]
 
 
-@pytest.mark.devices(8, platform="cpu")  # the in-process reference: the workers' platform
 def test_two_processes_train_fsdp_over_all_devices(tmp_path):
-  results = _run_workers(tmp_path)
+  results = _run_workers(tmp_path, PROCESSES, LOCAL_DEVICES)
   for r in results:
     assert int(r["devices"]) == PROCESSES * LOCAL_DEVICES
     assert int(r["local_devices"]) == LOCAL_DEVICES
@@ -53,11 +52,11 @@ def test_two_processes_train_fsdp_over_all_devices(tmp_path):
     # Both processes hold the same global values (the losses are replicated arrays, the
     # params were gathered with process_allgather).
     assert np.array_equal(first[name], second[name]), name
-  mesh = fsdp.make_mesh(devices=devices_for(8, "cpu")[:8])
-  losses, params, _ = fsdp_worker.train_graphed(mesh)
-  # Same partitioned program on 8 devices in one process; the cross-process all-reduce runs
-  # through gloo instead of the in-process CPU collectives and may sum in another order.
-  np.testing.assert_allclose(first["losses"], losses, rtol=1e-5)
-  for i, p in enumerate(params):
-    for k, v in p.items():
-      np.testing.assert_allclose(first[f"{i}/{k}"], v, rtol=1e-5, atol=1e-6)
+  # The same program on the 8 devices of one process under jax.distributed: its collectives
+  # go through gloo too, which sums in the same order, so every step is bitwise the two
+  # processes' (the in-process CPU collectives sum in another order: up to 4e-7 apart after
+  # these 3 Adam steps when measured; issue 37 saw such a gap reach 1.7e-4 on another machine).
+  (one,) = _run_workers(tmp_path, 1, PROCESSES * LOCAL_DEVICES)
+  assert int(one["devices"]) == int(one["local_devices"]) == PROCESSES * LOCAL_DEVICES
+  for name in first.keys() - {"local_devices"}:
+    assert np.array_equal(first[name], one[name]), name
