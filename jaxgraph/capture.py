@@ -410,7 +410,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
             offload: offload_lib.Policy | None, name: str,
             remat_policy: Callable[..., bool] | None = None,
-            loose_names: bool = False, warn_constants: bool = True) -> Executables:
+            loose_names: bool = False, warn_constant_keys: bool = True,
+            warned_weights: dict[int, Any] | None = None) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -430,17 +431,18 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
     remat_policy: a `jax.checkpoint` policy choosing the residuals (None: all of `jax.vjp`'s).
     loose_names: keep the residuals named with `checkpoint_name` out of the packed buffers
       (offload selects them by name: `make_graphed(..., offload_names=...)`).
-    warn_constants: warn of constant keys and closed-over weights (a fused chain does not:
-      each of its layers warned at its own capture).
+    warn_constant_keys: warn of keys that are constants of `fn` (a fused chain does not:
+      such a key is there at every signature, and its layer's own capture warned).
+    warned_weights: closed-over weights warned of already, by id (`_warn_constant_weights`).
   """
   timer = _Timer()
   start = time.perf_counter()
   closed, layout = trace_forward(fn, signature, n_keys=n_keys, diff=diff, name=name,
                                  remat_policy=remat_policy, loose_names=loose_names)
   trace_seconds = time.perf_counter() - start
-  if warn_constants:
+  if warn_constant_keys:
     _warn_constant_keys(closed, name)
-    _warn_constant_weights(closed, name)
+  _warn_constant_weights(closed, name, warned_weights)
   first: ForwardKind = "stream" if n_keys else "explicit"
   moved = offload.select(layout.buffers) if offload is not None else ()
   fwd = _forward_fn(closed, layout, first, outputs_only=False, moved=moved)
@@ -476,7 +478,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
 
 
 def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
-                      name: str, donated: Sequence[int] = ()) -> Executables:
+                      name: str, donated: Sequence[int] = (),
+                      warned_weights: dict[int, Any] | None = None) -> Executables:
   """Traces `fn` once, forward only, and compiles the one executable a plain call replays.
 
   That is the outputs-only forward: the stream forward with keys (`n_keys > 0`; it still
@@ -489,7 +492,7 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   closed, layout = trace_inference(fn, signature, n_keys=n_keys, name=name)
   trace_seconds = time.perf_counter() - start
   _warn_constant_keys(closed, name)
-  _warn_constant_weights(closed, name)
+  _warn_constant_weights(closed, name, warned_weights)
   entry = Executables(signature=signature, layout=layout, forward={}, backward={},
                       closed_jaxpr=closed, moved=(), compiles=0, compile_seconds=0.0,
                       residual_bytes=0, donated=tuple(donated))
@@ -556,13 +559,18 @@ def constant_weights(closed: Any) -> list[str]:
   nested jits, `jax.checkpoint` and custom derivatives. Masks (bool, int) and tables used
   elementwise (rotary sin/cos, biases, a causal mask added to scores) are not weights.
   """
-  found: dict[Any, str] = {}  # the constant's variable -> its description, in order
+  return [description for description, _ in _constant_weight_arrays(closed)]
 
-  # `tainted` maps a variable to the constant it carries: (its variable, its description)
-  def visit(jaxpr: Any, tainted: dict[Any, tuple[Any, str]]) -> None:
+
+def _constant_weight_arrays(closed: Any) -> list[tuple[str, Any]]:
+  """(description, array) of each weight `constant_weights` finds, in order."""
+  found: dict[Any, tuple[str, Any]] = {}  # the constant's variable -> (description, array)
+
+  # `tainted` maps a variable to the constant it carries: (its variable, (description, array))
+  def visit(jaxpr: Any, tainted: dict[Any, tuple[Any, tuple[str, Any]]]) -> None:
     if isinstance(jaxpr, jex.core.ClosedJaxpr):
       tainted = {**tainted, **{
-          var: (var, f"{value.dtype}{list(value.shape)}")
+          var: (var, (f"{value.dtype}{list(value.shape)}", value))
           for var, value in zip(jaxpr.jaxpr.constvars, jaxpr.consts)
           if jnp.issubdtype(value.dtype, jnp.inexact)
           and math.prod(value.shape) >= CONSTANT_WEIGHT_MIN_SIZE}}
@@ -585,18 +593,25 @@ def constant_weights(closed: Any) -> list[str]:
   return list(found.values())
 
 
-def _warn_constant_weights(closed: Any, name: str) -> None:
-  weights = constant_weights(closed)
-  if weights:
-    warnings.warn(
-        f"{name}: the traced function closes over {len(weights)} float array(s) that feed a "
-        f"matmul or a convolution ({', '.join(weights)}). They are constants of the "
-        "executables: the pullback returns no gradient for them, and changing them later "
-        "does not change the graphed function. If they are weights, pass them as arguments "
-        "(in sample_args and on every call; make_graphed(..., grad_mask=...) keeps frozen "
-        "ones out of the backward). If they are meant to be fixed, silence this with "
-        "warnings.filterwarnings('ignore', category=jaxgraph.ConstantWeightWarning).",
-        ConstantWeightWarning, stacklevel=5)
+def _warn_constant_weights(closed: Any, name: str, warned: dict[int, Any] | None) -> None:
+  """Warns of the closed-over weights of `closed` not in `warned` (ids of arrays warned of,
+  the arrays kept so that no id is reused), and adds them: a weight is named once per
+  `make_graphed` call, also where a fused chain or another signature traces it again."""
+  weights = [(description, array) for description, array in _constant_weight_arrays(closed)
+             if warned is None or id(array) not in warned]
+  if not weights:
+    return
+  if warned is not None:
+    warned.update((id(array), array) for _, array in weights)
+  warnings.warn(
+      f"{name}: the traced function closes over {len(weights)} float array(s) that feed a "
+      f"matmul or a convolution ({', '.join(d for d, _ in weights)}). They are constants of "
+      "the executables: the pullback returns no gradient for them, and changing them later "
+      "does not change the graphed function. If they are weights, pass them as arguments "
+      "(in sample_args and on every call; make_graphed(..., grad_mask=...) keeps frozen "
+      "ones out of the backward). If they are meant to be fixed, silence this with "
+      "warnings.filterwarnings('ignore', category=jaxgraph.ConstantWeightWarning).",
+      ConstantWeightWarning, stacklevel=5)
 
 
 def _warn_constant_keys(closed: Any, name: str) -> None:

@@ -118,8 +118,8 @@ class FusedSegment(graphed_lib.GraphedCallable):
     return None  # the chain applies it per function
 
   @property
-  def _warns_of_constants(self) -> bool:
-    return False  # each layer warned at its own capture (make_graphed captures every one)
+  def _warns_of_constant_keys(self) -> bool:
+    return False  # a constant key is in its layer at every signature: that capture warned
 
   def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
     """With a `grad_mask`: each layer's params leaves as its mask says of `(params_i, x,

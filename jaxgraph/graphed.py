@@ -82,6 +82,8 @@ class Config:
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
   # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
   segments: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
+  # id -> closed-over weight a capture warned of (ConstantWeightWarning once per array)
+  warned_weights: dict[int, Any] = dataclasses.field(default_factory=dict)
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -346,7 +348,8 @@ class GraphedCallable:
             entry = capture_lib.capture_inference(
                 self.fn, signature, n_keys=self._n_keys, name=self.name,
                 donated=pullback_lib.argument_leaves(signature.treedef,
-                                                    config.donate_argnums))
+                                                    config.donate_argnums),
+                warned_weights=config.warned_weights)
           else:
             diff = self._differentiated(signature)
             entry = capture_lib.capture(
@@ -357,7 +360,8 @@ class GraphedCallable:
                 offload=config.offload if cache_key[-1] else None,
                 remat_policy=self._remat_policy, name=self.name,
                 loose_names=config.offload.names is not None,
-                warn_constants=self._warns_of_constants)
+                warn_constant_keys=self._warns_of_constant_keys,
+                warned_weights=config.warned_weights)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")
@@ -422,8 +426,8 @@ class GraphedCallable:
     return self._config.remat_policy
 
   @property
-  def _warns_of_constants(self) -> bool:
-    """Whether a capture warns of constant keys and closed-over weights in `fn`."""
+  def _warns_of_constant_keys(self) -> bool:
+    """Whether a capture warns of keys that are constants of `fn` (a frozen dropout mask)."""
     return True
 
   def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:

@@ -74,9 +74,10 @@ def _compilation_cache() -> str | None:
   CPU suite takes half the time). A new empty folder per run, removed at its end.
 
   CPU only: on GPU every multi-layer capture makes per-layer loaded copies of its
-  executables (`per_layer_executables`), and on CPU a copy of an executable the cache served
-  fails (tests/test_per_layer_executables.py, which turns the cache off); on GPU that is
-  untested. JAXGRAPH_TEST_COMPILATION_CACHE=off: no cache.
+  executables (`per_layer_executables`), which a cache would serve to every test; the GPU
+  suite runs without it, and tests/test_per_layer_executables.py checks a copy of a
+  cache-served executable on either platform. JAXGRAPH_TEST_COMPILATION_CACHE=off: no shared
+  cache (the scripts the tests start then share one per worker, `compilation_cache_env`).
   """
   if jax.default_backend() != "cpu":
     return None

@@ -9,6 +9,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import pytest
@@ -180,22 +181,45 @@ def test_a_closed_over_weight_warns_with_the_fix(fn):
   assert issubclass(jg.ConstantWeightWarning, UserWarning)
 
 
-def test_a_fused_chain_does_not_warn_again():
-  """Each layer warned at its own capture: the fused segment's capture of the same
-  functions says nothing new."""
-  def scaled(s, x):
-    return _closes_over_w(x) * s
+def _scaled(s, x):
+  return _closes_over_w(x) * s
+
+
+def test_a_weight_is_named_once_per_make_graphed_call():
+  """The first capture names the closed-over weight; another signature and a fused chain of
+  the same functions trace the same array again and say nothing new."""
+  scales = [jnp.float32(1.0), jnp.float32(2.0)]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    layers = jg.make_graphed([_scaled, _scaled], sample_args=[(s, X) for s in scales],
+                             num_warmup_iters=0)
+    assert layers[0].stats.captures == 1  # the identical second layer shares the capture
+    layers[0](scales[0], jnp.ones((2 * B, D)))  # a new batch: a capture of its own
+    y, pullback = jg.sequential_vjp(layers, scales, X, fuse=True)
+    pullback(jnp.ones_like(y))
+  assert layers[0].stats.captures == 3  # and the fused chain's
+  assert [str(w.message).split(":")[0] for w in caught] == ["_scaled[0]"]
+
+
+def test_a_fused_chain_names_a_weight_its_layers_never_traced():
+  """A function that builds its matrix from the input's width closes over a weight only at
+  large widths: a fused chain at such a width, the first capture to see it, warns."""
+  def projects(s, x):
+    w = np.full((x.shape[-1], x.shape[-1]), 0.5, np.float32)  # 256 elements at width 16
+    return jnp.tanh(x @ w) * s
 
   scales = [jnp.float32(1.0), jnp.float32(2.0)]
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    layers = jg.make_graphed([scaled, scaled], sample_args=[(s, X) for s in scales],
-                             num_warmup_iters=0)
-    assert layers[0].stats.captures == 1  # the identical second layer shares the capture
-    y, pullback = jg.sequential_vjp(layers, scales, X, fuse=True)
-    pullback(jnp.ones_like(y))
-  assert layers[0].stats.captures == 2  # and the fused chain's
-  assert [str(w.message).split(":")[0] for w in caught] == ["scaled[0]"]
+    layers = jg.make_graphed([projects, projects], num_warmup_iters=0,
+                             sample_args=[(s, jnp.ones((B, 16))) for s in scales])
+    assert caught == []
+    jg.sequential_vjp(layers, scales, jnp.ones((B, 64)), fuse=True)
+  (found,) = caught
+  assert issubclass(found.category, jg.ConstantWeightWarning)
+  assert str(found.message).startswith(  # one matrix built by each layer's trace
+      "fused(projects[0]..projects[1]): the traced function closes over 2 float array(s) that "
+      "feed a matmul or a convolution (float32[64, 64], float32[64, 64])")
 
 
 def test_a_module_closed_over_by_a_partial_warns():
