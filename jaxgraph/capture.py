@@ -408,10 +408,9 @@ def _backward_fn(layout: Layout, select: tuple[int, ...],
 def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
             diff: tuple[int, ...],
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
-            offload: offload_lib.Policy | None, name: str,
-            remat_policy: Callable[..., bool] | None = None,
-            loose_names: bool = False, warn_constant_keys: bool = True,
-            warned_weights: dict[int, Any] | None = None) -> Executables:
+            offload: offload_lib.Policy | None, name: str, warned_weights: dict[int, Any],
+            remat_policy: Callable[..., bool] | None = None, loose_names: bool = False,
+            warn_constant_keys: bool = True) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -428,12 +427,13 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       host memory and the backward executable reads back (`"executable"` mode; async
       offload runs the executables without offload, and the host moves the buffers).
     name: the callable's name, for errors.
+    warned_weights: closed-over weights warned of already, by id; this capture adds those it
+      warns of (`_warn_constant_weights`).
     remat_policy: a `jax.checkpoint` policy choosing the residuals (None: all of `jax.vjp`'s).
     loose_names: keep the residuals named with `checkpoint_name` out of the packed buffers
       (offload selects them by name: `make_graphed(..., offload_names=...)`).
     warn_constant_keys: warn of keys that are constants of `fn` (a fused chain does not:
       such a key is there at every signature, and its layer's own capture warned).
-    warned_weights: closed-over weights warned of already, by id (`_warn_constant_weights`).
   """
   timer = _Timer()
   start = time.perf_counter()
@@ -478,8 +478,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
 
 
 def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
-                      name: str, donated: Sequence[int] = (),
-                      warned_weights: dict[int, Any] | None = None) -> Executables:
+                      name: str, warned_weights: dict[int, Any],
+                      donated: Sequence[int] = ()) -> Executables:
   """Traces `fn` once, forward only, and compiles the one executable a plain call replays.
 
   That is the outputs-only forward: the stream forward with keys (`n_keys > 0`; it still
@@ -487,6 +487,7 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   explicit-key forward compiles on first use (`forward_executable(..., residuals=False)`).
   Both donate the argument leaves `donated` (as `jax.jit(..., donate_argnums=...)`); a
   buffer XLA finds no output to reuse for is not donated, without a warning.
+  `warned_weights` as in `capture`.
   """
   start = time.perf_counter()
   closed, layout = trace_inference(fn, signature, n_keys=n_keys, name=name)
@@ -593,16 +594,15 @@ def _constant_weight_arrays(closed: Any) -> list[tuple[str, Any]]:
   return list(found.values())
 
 
-def _warn_constant_weights(closed: Any, name: str, warned: dict[int, Any] | None) -> None:
+def _warn_constant_weights(closed: Any, name: str, warned: dict[int, Any]) -> None:
   """Warns of the closed-over weights of `closed` not in `warned` (ids of arrays warned of,
   the arrays kept so that no id is reused), and adds them: a weight is named once per
   `make_graphed` call, also where a fused chain or another signature traces it again."""
   weights = [(description, array) for description, array in _constant_weight_arrays(closed)
-             if warned is None or id(array) not in warned]
+             if id(array) not in warned]
   if not weights:
     return
-  if warned is not None:
-    warned.update((id(array), array) for _, array in weights)
+  warned.update((id(array), array) for _, array in weights)
   warnings.warn(
       f"{name}: the traced function closes over {len(weights)} float array(s) that feed a "
       f"matmul or a convolution ({', '.join(d for d, _ in weights)}). They are constants of "
