@@ -115,7 +115,22 @@ def shard(tree: Any, mesh: Mesh, axis: str = "fsdp", *, min_size: int = MIN_SHAR
     return flat_lib.with_unravel_sharding(padded, replicated)
 
   tree = jax.tree.map(prepare, tree, is_leaf=flat_lib.is_flat)
-  return jax.device_put(tree, shardings(tree, mesh, axis, min_size=min_size))
+  return jax.tree.map(place, tree, shardings(tree, mesh, axis, min_size=min_size))
+
+
+def place(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """`jax.device_put(value, sharding)`, also where `sharding` spans other processes' devices.
+
+  With several processes, `jax.device_put` of an array committed to this process's device
+  onto a replicated sharding over every process's devices returns a malformed array (its
+  one local buffer claims every device; `addressable_shards` then raises "An argument array
+  had N shard(s)", seen with jax 0.10.2). Such a value goes through the host instead: every
+  process holds the same full value, and each keeps the shards of its own devices.
+  """
+  if (isinstance(value, jax.Array) and value.is_fully_addressable
+      and not sharding.is_fully_addressable):
+    value = np.asarray(value)
+  return jax.device_put(value, sharding)
 
 
 def batch_sharding(mesh: Mesh, axis: str = "fsdp") -> NamedSharding:

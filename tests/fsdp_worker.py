@@ -71,10 +71,17 @@ def train_graphed(mesh: Mesh | None, steps: int = STEPS, layers: int = LAYERS
     params, layer_fn, specs = jax.tree.map(jnp.asarray, host_params), block, None
     x, t = jnp.asarray(x), jnp.asarray(t)
   else:
-    params, layer_fn = fsdp.shard(host_params, mesh), fsdp_block(mesh)
+    # From arrays on this process's device, as a program that initializes with jax.random
+    # has them (jg.fsdp.shard places those across processes through the host).
+    params = fsdp.shard(jax.tree.map(jnp.asarray, host_params), mesh)
+    layer_fn = fsdp_block(mesh)
     specs = fsdp.shardings(host_params, mesh)
     x, t = jax.device_put((x, t), fsdp.batch_sharding(mesh))
-  graphed = jg.make_graphed([layer_fn] * layers, sample_args=[(p, x) for p in params],
+  # Abstract sample params: the warmup makes its zeros with their shardings (across
+  # processes too), as for a program that captures before it initializes.
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          params)
+  graphed = jg.make_graphed([layer_fn] * layers, sample_args=[(p, x) for p in abstract],
                             num_warmup_iters=1, on_new_signature="error")
   optimizer = optax.adam(1e-2)
   opt_state = jax.jit(optimizer.init)(params)
@@ -126,6 +133,18 @@ def train_jit(mesh: Mesh, steps: int = STEPS, layers: int = LAYERS
   return np.asarray(jax.device_get(losses)), multihost_utils.process_allgather(params, tiled=True)
 
 
+def first_shards(params: Sequence[Params]) -> dict[str, np.ndarray]:
+  """Per leaf of the placed `params`, this process's first shard (`shard/i/k`) and where it
+  lies in the whole array (`index/i/k`: a start and stop per dimension)."""
+  out = {}
+  for i, p in enumerate(params):
+    for k, leaf in p.items():
+      shard = leaf.addressable_shards[0]
+      out[f"shard/{i}/{k}"] = np.asarray(shard.data)
+      out[f"index/{i}/{k}"] = np.array([s.indices(n)[:2] for s, n in zip(shard.index, leaf.shape)])
+  return out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--process-id", type=int, required=True)
@@ -140,6 +159,7 @@ def main() -> None:
   mesh = fsdp.make_mesh()
   losses, params, graphed = train_graphed(mesh, args.steps)
   np.savez(args.out, losses=losses, devices=len(mesh.devices.flat),
+           **first_shards(fsdp.shard(jax.tree.map(jnp.asarray, host_data()[0]), mesh)),
            local_devices=jax.local_device_count(), captures=graphed[0].stats.captures,
            **{f"{i}/{k}": v for i, p in enumerate(params) for k, v in p.items()})
   jax.distributed.shutdown()

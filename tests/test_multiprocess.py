@@ -1,7 +1,7 @@
-"""FSDP over the devices of 2 processes under `jax.distributed.initialize` (JAX's runtime).
+"""FSDP over the devices of several processes under `jax.distributed.initialize` (JAX's runtime).
 
-Two CPU processes on 127.0.0.1 with 4 virtual devices each train the graphed FSDP stack of
-tests/fsdp_worker.py over all 8 devices; cross-process collectives go through gloo (the
+CPU processes on 127.0.0.1 (2 of 4 virtual devices each; 4 of one device each, as one process
+per GPU runs) train the graphed FSDP stack of tests/fsdp_worker.py over all their devices; cross-process collectives go through gloo (the
 default `jax_cpu_collectives_implementation` on CPU in jax 0.10). The reference is the same
 worker alone over 8 devices under `jax.distributed`, whose collectives go through gloo too.
 """
@@ -13,13 +13,13 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 import fsdp_worker
 from processes import free_port, run_processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = pathlib.Path(fsdp_worker.__file__).resolve()
-PROCESSES, LOCAL_DEVICES = 2, 4
 TIMEOUT_S = 240
 
 
@@ -38,25 +38,37 @@ def _run_workers(tmp_path: pathlib.Path, processes: int,
   return [dict(np.load(out)) for out in outs]
 
 
-def test_two_processes_train_fsdp_over_all_devices(tmp_path):
-  results = _run_workers(tmp_path, PROCESSES, LOCAL_DEVICES)
+@pytest.mark.parametrize("processes, local_devices", [(2, 4), (4, 1)])
+def test_processes_train_fsdp_over_all_devices(tmp_path, processes, local_devices):
+  """2 processes of 4 devices, and 4 of one device each (JAX's usual one process per GPU)."""
+  results = _run_workers(tmp_path, processes, local_devices)
+  devices = processes * local_devices
   for r in results:
-    assert int(r["devices"]) == PROCESSES * LOCAL_DEVICES
-    assert int(r["local_devices"]) == LOCAL_DEVICES
+    assert int(r["devices"]) == devices
+    assert int(r["local_devices"]) == local_devices
     assert int(r["captures"]) == 1          # no recapture across steps
     assert len(r["losses"]) == fsdp_worker.STEPS
     assert r["losses"][-1] < r["losses"][0]
-  first, second = results
-  assert first.keys() == second.keys()
-  for name in first:
-    # Both processes hold the same global values (the losses are replicated arrays, the
-    # params were gathered with process_allgather).
-    assert np.array_equal(first[name], second[name]), name
-  # The same program on the 8 devices of one process under jax.distributed: its collectives
-  # go through gloo too, which sums in the same order, so every step is bitwise the two
-  # processes' (the in-process CPU collectives sum in another order: up to 4e-7 apart after
-  # these 3 Adam steps when measured; issue 37 saw such a gap reach 1.7e-4 on another machine).
-  (one,) = _run_workers(tmp_path, 1, PROCESSES * LOCAL_DEVICES)
-  assert int(one["devices"]) == int(one["local_devices"]) == PROCESSES * LOCAL_DEVICES
-  for name in first.keys() - {"local_devices"}:
+    # The placed params are well formed in every process: each holds its own shards of
+    # the full values (a replicated leaf whole), as jg.fsdp.shard placed them.
+    host_params = fsdp_worker.host_data()[0]
+    for name in (n for n in r if n.startswith("shard/")):
+      _, i, k = name.split("/")
+      index = tuple(slice(*bounds) for bounds in r[f"index/{i}/{k}"])
+      assert np.array_equal(r[name], host_params[int(i)][k][index]), name
+  first, *others = [{name: value for name, value in r.items()
+                     if not name.startswith(("shard/", "index/"))} for r in results]
+  for other in others:
+    assert first.keys() == other.keys()
+    for name in first:
+      # Every process holds the same global values (the losses are replicated arrays, the
+      # params were gathered with process_allgather).
+      assert np.array_equal(first[name], other[name]), name
+  # The same program on as many devices of one process under jax.distributed: its
+  # collectives go through gloo too, which sums in the same order, so every step is bitwise
+  # the processes' (the in-process CPU collectives sum in another order: up to 4e-7 apart
+  # after these 3 Adam steps when measured, and such a gap reached 1.7e-4 on another machine).
+  (one,) = _run_workers(tmp_path, 1, devices)
+  assert int(one["devices"]) == int(one["local_devices"]) == devices
+  for name in first.keys() - {"local_devices"}:  # the losses and the final params
     assert np.array_equal(first[name], one[name]), name
