@@ -55,7 +55,7 @@ def test_two_processes_train_fsdp_over_all_devices(tmp_path):
   # The same program on the 8 devices of one process under jax.distributed: its collectives
   # go through gloo too, which sums in the same order, so every step is bitwise the two
   # processes' (the in-process CPU collectives sum in another order: up to 4e-7 apart after
-  # these 3 Adam steps when measured; issue 37 saw such a gap reach 1.7e-4 on another machine).
+  # these 3 Adam steps when measured; such a gap reached 1.7e-4 on another machine).
   (one,) = _run_workers(tmp_path, 1, PROCESSES * LOCAL_DEVICES)
   assert int(one["devices"]) == int(one["local_devices"]) == PROCESSES * LOCAL_DEVICES
   for name in first.keys() - {"local_devices"}:
