@@ -10,8 +10,8 @@ gradient, the backward and an SGD update (params donated). Two variants:
 Memory: each variant runs in its own process (`peak_bytes_in_use` only grows); the peak is
 the largest over the local devices. Also reported for both, from the compiled executables'
 `memory_analysis()` (per device, available on CPU too): the graphed per-layer forward and
-backward bytes and the jit step's. The target (issue 8): graphed peak <= sharded weights +
-2 gathered layers + activations, below the jit step's peak.
+backward bytes and the jit step's. What to look for: a graphed peak at most sharded weights
++ 2 gathered layers + activations, and below the jit step's peak.
 Time: one process builds both and alternates them, `--reps` rounds of `--iters` steps;
 median per step.
 

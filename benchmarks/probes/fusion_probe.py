@@ -1,4 +1,4 @@
-"""Boundary fusion beside the same layers per layer (issue 27): where a fused step's time goes.
+"""Boundary fusion beside the same layers per layer: where a fused step's time goes.
 
 For GPT block stacks (`gpt.py`) and, with `--llama`, the Llama example's blocks, builds the
 layers replayed per layer and fused (`sequential_vjp(..., fuse=True)`), and reports per variant:
@@ -21,9 +21,9 @@ Prints a table, one JSON line per variant, and writes `fusion_probe.json` to `--
 
 Variants are `bench.py` names (`jaxgraph-recompute`, `jaxgraph-fuse-flat-recompute`, ...) or,
 with `--llama`, `llama-` and a `llama_breakdown.py` variant (`llama-recompute-fuse`). A fused
-one takes a diagnostic after `+`, which rebuilds its fused segments as they were before:
-  +chainremat   remat_policy around the whole chain and no barriers between layers (the
-                fused segments before issue 27)
+one takes a diagnostic after `+`, which rebuilds its fused segments another way:
+  +chainremat   remat_policy around the whole chain and no barriers between layers (how
+                fused segments ran before f8d3dbe)
   +nobarrier    remat_policy per layer, no optimization barrier between layers (XLA free to
                 fuse across layer boundaries)
 """
@@ -70,7 +70,7 @@ class _NoBarriers(fusion.FusedSegment):
 
 
 class _WholeChainRemat(fusion.FusedSegment):
-  """A fused segment as before issue 27: remat_policy around the chain, no barriers."""
+  """A fused segment as before f8d3dbe: remat_policy around the chain, no barriers."""
 
   def __init__(self, layers: Sequence[jg.GraphedCallable]):
     super().__init__(layers)
