@@ -29,15 +29,19 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["FlatLayout", "FlatTree", "mask", "pad", "ravel", "unravel", "with_unravel_sharding"]
+__all__ = ["FlatLayout", "FlatTree", "Gather", "mask", "ravel", "split", "unravel", "with_gather"]
 
 Group = str | None
 
 
 class Slot(NamedTuple):
-  """Where one leaf of the raveled tree lives: `buffers[buffer][offset:offset + size]`."""
+  """Where one leaf of the raveled tree lives in its buffer.
+
+  In a buffer of one part (`BufferSpec.parts`) the leaf is `buffer[offset:offset + size]`;
+  in a buffer of several parts its k-th piece starts `offset` elements into chunk k.
+  """
 
   buffer: int
   offset: int
@@ -49,17 +53,52 @@ class Slot(NamedTuple):
 
 
 class BufferSpec(NamedTuple):
-  """One buffer: the leaves of one (group, dtype), `size` elements, padded to `length`."""
+  """One buffer: the leaves of one (group, dtype), `size` elements in `length`.
+
+  With `parts` > 1 every leaf is split into `parts` equal pieces (its last one zero-padded)
+  and piece k of every leaf lives in chunk k (`length // parts` elements). Sharded `parts`
+  ways along its one dimension, the buffer then holds on each device a whole piece of every
+  leaf, so each leaf's gradient is reduce-scattered into the devices' chunks on its own
+  (FSDP2 lays out its all-gather buffers so). `ravel` makes one part, `split` several.
+  """
 
   group: Group
   dtype: np.dtype
   size: int
   length: int
+  parts: int = 1
 
   @property
   def name(self) -> str:
     """The buffer's key in the pytree (and in checkpoints): `float32`, `decay.float32`."""
     return self.dtype.name if self.group is None else f"{self.group}.{self.dtype.name}"
+
+  def piece(self, slot: Slot) -> int:
+    """The elements of one piece of the leaf at `slot` (its size in a buffer of one part)."""
+    return -(-slot.size // self.parts)
+
+
+class Gather(NamedTuple):
+  """How a layer un-shards buffers split over a mesh axis (FSDP); `jg.fsdp.shard` sets it.
+
+  Every buffer of as many parts as the axis has devices (`BufferSpec.parts`), placed sharded
+  along `axis`, is all-gathered before it is unraveled, its shard cast to `dtype` first
+  when set (so the collective moves `dtype`'s bytes, FSDP2's `param_dtype`). Its gradient is
+  reduce-scattered back in the buffer's own dtype, leaf by leaf.
+
+  Attributes:
+    mesh: the mesh the buffers are sharded over.
+    axis: the mesh axis they are split along.
+    dtype: the dtype the layer gets the gathered leaves in; None keeps the buffer's.
+  """
+
+  mesh: Mesh
+  axis: str
+  dtype: np.dtype | None = None
+
+  @property
+  def parts(self) -> int:
+    return self.mesh.shape[self.axis]
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -70,23 +109,94 @@ class FlatLayout:
   Attributes:
     treedef: the structure of the raveled tree.
     slots: per leaf of the tree (in flattening order), where it lives.
-    buffers: per buffer, its group, dtype, used size and padded length.
-    unravel_sharding: if set, each buffer is constrained to this sharding before it is
-      unraveled (`jg.fsdp.shard` sets replicated: one all-gather per buffer and layer).
+    buffers: per buffer, its group, dtype, used size, length and parts.
+    gather: if set, the buffers split over its mesh axis are all-gathered before they are
+      unraveled (`jg.fsdp.shard` sets it: one all-gather per buffer and layer).
   """
 
   treedef: Any
   slots: tuple[Slot, ...]
   buffers: tuple[BufferSpec, ...]
-  unravel_sharding: Sharding | None = None
+  gather: Gather | None = None
 
   def __repr__(self) -> str:
     buffers = ", ".join(f"{b.name}[{b.length}]" for b in self.buffers)
     return f"FlatLayout({len(self.slots)} leaves in {buffers or 'no buffers'})"
 
+  def gathered(self, buffer: int) -> bool:
+    """Whether buffer `buffer` is all-gathered before it is unraveled."""
+    parts = self.buffers[buffer].parts
+    return self.gather is not None and parts > 1 and parts == self.gather.parts
 
-def _slice(buffer: Any, slot: Slot) -> Any:
-  return jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size).reshape(slot.shape)
+
+def _slice(buffer: Any, slot: Slot, spec: BufferSpec) -> Any:
+  """The leaf at `slot` of the whole `buffer` of `spec`."""
+  if spec.parts == 1:
+    return jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size).reshape(slot.shape)
+  piece = spec.piece(slot)
+  chunks = buffer.reshape(spec.parts, spec.length // spec.parts)
+  pieces = jax.lax.slice_in_dim(chunks, slot.offset, slot.offset + piece, axis=1)
+  return pieces.reshape(-1)[:slot.size].reshape(slot.shape)
+
+
+def _assemble(leaves: Sequence[Any], slots: Sequence[Slot], spec: BufferSpec,
+              sharding: NamedSharding | None = None) -> Any:
+  """The buffer of `spec` that holds `leaves` at `slots` (every leaf of the buffer, in slot
+  order), in the buffer's dtype, zeros for padding. With `sharding` (the gradient of a
+  gathered buffer) each leaf's pieces are constrained to it, piece k on the device of chunk
+  k: XLA reduce-scatters each leaf's gradient summed over the devices."""
+  flat = [jnp.asarray(leaf).astype(spec.dtype).reshape(-1) for leaf in leaves]
+  if spec.parts == 1:
+    tail = [jnp.zeros((spec.length - spec.size,), spec.dtype)] if spec.length > spec.size else []
+    return jnp.concatenate(flat + tail)
+  pieces = []
+  for leaf, slot in zip(flat, slots):
+    piece = spec.piece(slot)
+    leaf = jnp.pad(leaf, (0, piece * spec.parts - slot.size)).reshape(spec.parts, piece)
+    pieces.append(leaf if sharding is None else jax.lax.with_sharding_constraint(leaf, sharding))
+  return jnp.concatenate(pieces, axis=1).reshape(-1)
+
+
+def _all_gather(buffer: Any, gather: Gather) -> Any:
+  """The whole buffer on every device, from its shards: one all-gather, in `gather.dtype`
+  (the shard is cast before the collective; XLA does not move a cast across a gather whose
+  result feeds several slices)."""
+  dtype = buffer.dtype if gather.dtype is None else gather.dtype
+  return jax.shard_map(lambda shard: jax.lax.all_gather(shard.astype(dtype), gather.axis,
+                                                        tiled=True),
+                       mesh=gather.mesh, in_specs=PartitionSpec(gather.axis),
+                       out_specs=PartitionSpec(), check_vma=False)(buffer)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gathered_leaves(buffer: Any, spec: BufferSpec, slots: tuple[Slot, ...],
+                     gather: Gather) -> list[Any]:
+  """The leaves at `slots` (every leaf of the buffer) of a sharded buffer, all-gathered.
+
+  Its gradient is put together by hand (`_assemble`), as a graphed layer's backward does
+  (`Expansion.gradients`): one program for both, and a reduce-scatter per leaf where
+  autodiff through the all-gather would reduce the whole buffer.
+  """
+  whole = _all_gather(buffer, gather)
+  return [_slice(whole, slot, spec) for slot in slots]
+
+
+def _gathered_leaves_fwd(buffer: Any, spec: BufferSpec, slots: tuple[Slot, ...],
+                         gather: Gather) -> tuple[list[Any], None]:
+  return _gathered_leaves(buffer, spec, slots, gather), None
+
+
+def _gathered_leaves_bwd(spec: BufferSpec, slots: tuple[Slot, ...], gather: Gather, _: None,
+                         cotangents: list[Any]) -> tuple[Any]:
+  return (_assemble(cotangents, slots, spec, _pieces_sharding(gather)),)
+
+
+_gathered_leaves.defvjp(_gathered_leaves_fwd, _gathered_leaves_bwd)
+
+
+def _pieces_sharding(gather: Gather) -> NamedSharding:
+  """Where a gathered leaf's (parts, piece) gradient goes: piece k to the device of chunk k."""
+  return NamedSharding(gather.mesh, PartitionSpec(gather.axis))
 
 
 class FlatTree:
@@ -135,11 +245,15 @@ class FlatTree:
     layout = self.layout
     for buffer, spec in zip(self.buffers, layout.buffers):
       _check_buffer(buffer, spec, layout)
-    buffers = self.buffers
-    if layout.unravel_sharding is not None:
-      buffers = [jax.lax.with_sharding_constraint(b, layout.unravel_sharding) for b in buffers]
-    return jax.tree.unflatten(layout.treedef,
-                              [_slice(buffers[slot.buffer], slot) for slot in layout.slots])
+    leaves: list[Any] = [None] * len(layout.slots)
+    for k, (buffer, spec) in enumerate(zip(self.buffers, layout.buffers)):
+      members = [j for j, slot in enumerate(layout.slots) if slot.buffer == k]
+      slots = tuple(layout.slots[j] for j in members)
+      values = (_gathered_leaves(buffer, spec, slots, layout.gather) if layout.gathered(k)
+                else [_slice(buffer, slot, spec) for slot in slots])
+      for j, value in zip(members, values):
+        leaves[j] = value
+    return jax.tree.unflatten(layout.treedef, leaves)
 
 
 def _flatten_with_keys(tree: FlatTree) -> tuple[tuple[tuple[Any, Any], ...], FlatLayout]:
@@ -284,35 +398,56 @@ def mask(tree: Any, predicate: Callable[[Group], bool]) -> Any:
   return jax.tree.map(node_mask, tree, is_leaf=is_flat)
 
 
-def pad(tree: FlatTree, multiple: int, *, min_size: int = 0) -> FlatTree:
-  """Pads every buffer of at least `min_size` elements with zeros to a multiple of `multiple`.
+def split(tree: FlatTree, parts: int, *, min_size: int = 0) -> FlatTree:
+  """The same tree with every buffer of at least `min_size` elements in `parts` parts.
 
-  The padding is never unraveled, gets zero gradients, and stays zero under elementwise
-  optimizers (its updates are zero): numerics are unchanged. `jg.fsdp.shard` pads to the
-  mesh axis size so that every large buffer can be sharded evenly.
+  Each leaf of such a buffer is split into `parts` equal pieces, its last one zero-padded,
+  and piece k of every leaf goes to chunk k of the buffer (`BufferSpec`): sharded `parts`
+  ways, the buffer then holds a piece of every leaf on every device, and a layer's backward
+  reduce-scatters each leaf's gradient into the chunks (`jg.fsdp.shard` splits into the
+  mesh axis size). The padding is never unraveled, gets zero gradients, and stays zero
+  under elementwise optimizers: numerics are unchanged. Smaller buffers keep their layout.
+
+  Raises:
+    TypeError: if `tree` is not a FlatTree.
+    ValueError: if `parts` < 1, or `tree` holds no values (a mask or abstract buffers).
   """
   if not isinstance(tree, FlatTree):
-    raise TypeError(f"flat.pad takes a FlatTree, got {type(tree).__name__}.")
-  if multiple < 1:
-    raise ValueError(f"flat.pad: multiple must be >= 1, got {multiple}.")
-  specs = tuple(
-      spec._replace(length=-(-spec.size // multiple) * multiple) if spec.size >= min_size
-      else spec for spec in tree.layout.buffers)
-  buffers = [b if spec.length == b.shape[0] else jnp.pad(b, (0, spec.length - b.shape[0]))
-             for b, spec in zip(tree.buffers, specs)]
-  return FlatTree(buffers, dataclasses.replace(tree.layout, buffers=specs))
+    raise TypeError(f"flat.split takes a FlatTree, got {type(tree).__name__}.")
+  if parts < 1:
+    raise ValueError(f"flat.split: parts must be >= 1, got {parts}.")
+  layout = tree.layout
+  specs = list(layout.buffers)
+  for k, spec in enumerate(specs):
+    if spec.size >= min_size and spec.parts != parts:
+      chunk = sum(-(-slot.size // parts) for slot in layout.slots if slot.buffer == k)
+      specs[k] = spec._replace(length=chunk * parts, parts=parts)
+  slots, offsets = [], [0] * len(specs)  # offsets within a chunk (in the buffer, one part)
+  for slot in layout.slots:
+    spec = specs[slot.buffer]
+    slots.append(slot._replace(offset=offsets[slot.buffer]))
+    offsets[slot.buffer] += spec.piece(slot)
+  new = dataclasses.replace(layout, slots=tuple(slots), buffers=tuple(specs))
+  leaves = jax.tree.leaves(tree.unravel())
+  buffers = [_assemble([leaves[j] for j, slot in enumerate(slots) if slot.buffer == k],
+                       [slot for slot in slots if slot.buffer == k], spec)
+             for k, spec in enumerate(specs)]
+  return FlatTree(buffers, new)
 
 
-def with_unravel_sharding(tree: FlatTree, sharding: Sharding | None) -> FlatTree:
-  """The same buffers with a layout that constrains them to `sharding` before unravelling.
+def with_gather(tree: FlatTree, gather: Gather | None) -> FlatTree:
+  """The same buffers with a layout that all-gathers the split ones before unravelling.
 
-  With a replicated `NamedSharding` and buffers sharded along a mesh axis, unravelling
-  inside a layer's executable all-gathers each buffer once (not each leaf); `jg.fsdp.shard`
-  sets it.
+  Inside a layer's executable each buffer of `gather.parts` parts (`split`), sharded along
+  `gather.axis`, is then all-gathered once (not each leaf), in `gather.dtype` when set, and
+  its gradient reduce-scattered leaf by leaf; `jg.fsdp.shard` sets it. None: unravel the
+  buffers as they are (e.g. gathered to one device for generation).
   """
   if not isinstance(tree, FlatTree):
-    raise TypeError(f"flat.with_unravel_sharding takes a FlatTree, got {type(tree).__name__}.")
-  return _unflatten(dataclasses.replace(tree.layout, unravel_sharding=sharding), tree.buffers)
+    raise TypeError(f"flat.with_gather takes a FlatTree, got {type(tree).__name__}.")
+  if gather is not None and gather.dtype is not None:
+    gather = gather._replace(dtype=np.dtype(gather.dtype))
+  return _unflatten(dataclasses.replace(tree.layout, gather=gather), tree.buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,38 +486,36 @@ class Expansion:
     return [expanded[j] for j in range(len(self.inputs))]
 
   def slices(self, leaves: Mapping[int, Any], wanted: Sequence[int]) -> dict[int, Any]:
-    """The expanded leaves `wanted`, from the argument leaves they come from (each buffer
-    constrained to its layout's unravel sharding once)."""
-    constrained: dict[int, Any] = {}
+    """The expanded leaves `wanted`, from the argument leaves they come from (a buffer its
+    layout gathers is all-gathered once)."""
+    whole: dict[int, Any] = {}
     out = {}
     for j in wanted:
       i, slot = self.inputs[j], self.slots[j]
       if slot is None:
         out[j] = leaves[i]
         continue
-      if i not in constrained:
-        sharding = self.layouts[i].unravel_sharding
-        constrained[i] = (leaves[i] if sharding is None
-                          else jax.lax.with_sharding_constraint(leaves[i], sharding))
-      out[j] = _slice(constrained[i], slot)
+      layout = self.layouts[i]
+      if i not in whole:
+        whole[i] = (_all_gather(leaves[i], layout.gather) if layout.gathered(slot.buffer)
+                    else leaves[i])
+      out[j] = _slice(whole[i], slot, layout.buffers[slot.buffer])
     return out
 
   def gradients(self, grads: Mapping[int, Any], select: Sequence[int]) -> list[Any]:
     """One gradient per argument leaf in `select`, from the gradients of expanded leaves:
-    a buffer's is its slices' gradients concatenated (zeros for padding)."""
+    a buffer's holds its slices' gradients (`_assemble`: reduce-scattered leaf by leaf
+    where the layout gathers the buffer), zeros for padding."""
     out = []
     for i in select:
-      layout, parts = self.layouts[i], self._members[i]
+      layout, members = self.layouts[i], self._members[i]
       if layout is None:
-        out.append(grads[parts[0]])
+        out.append(grads[members[0]])
         continue
-      flat = [grads[j].reshape(-1) for j in parts]
-      if layout.unravel_sharding is not None:  # the transpose of the unravel's constraint
-        flat = [jax.lax.with_sharding_constraint(g, layout.unravel_sharding) for g in flat]
-      spec = layout.buffers[self.slots[parts[0]].buffer]
-      if spec.length > spec.size:
-        flat.append(jnp.zeros((spec.length - spec.size,), spec.dtype))
-      out.append(jnp.concatenate(flat))
+      buffer = self.slots[members[0]].buffer
+      sharding = _pieces_sharding(layout.gather) if layout.gathered(buffer) else None
+      out.append(_assemble([grads[j] for j in members], [self.slots[j] for j in members],
+                           layout.buffers[buffer], sharding))
     return out
 
 

@@ -14,12 +14,13 @@ XLA emits all-reduce + dynamic-slice instead, see docs/fsdp.md).
   layer = jg.fsdp.remat(lambda p, x: block(jg.fsdp.gather(p, mesh), x))
   layers = jg.make_graphed([layer] * n, sample_args=[(p, x) for p in params])
 
-Flat layer buffers (`jg.flat.ravel`) shard as whole buffers: `shard` pads each to a
-multiple of the axis size and marks it to be gathered before it is unraveled, so a layer
-all-gathers one buffer per dtype (not one array per weight), and the backward recomputes the
-gathered slices instead of keeping them (no `remat` needed for the weights):
+Flat layer buffers (`jg.flat.ravel`) shard as whole buffers: `shard` splits each into one
+part per device (each part a piece of every weight) and marks it to be gathered before it is
+unraveled, so a layer all-gathers one buffer per dtype (not one array per weight), in the
+compute dtype if asked, the backward recomputes the gathered slices instead of keeping them
+(no `remat` needed for the weights) and reduce-scatters each weight's gradient:
 
-  flat = jg.fsdp.shard([jg.flat.ravel(p) for p in params], mesh)
+  flat = jg.fsdp.shard([jg.flat.ravel(p) for p in params], mesh, gather_dtype=jnp.bfloat16)
   layers = jg.make_graphed([block] * n, sample_args=[(p, x) for p in flat])
 
 The same program runs over the devices of several processes after
@@ -92,27 +93,39 @@ def shardings(tree: Any, mesh: Mesh, axis: str = "fsdp", *,
       tree)
 
 
-def shard(tree: Any, mesh: Mesh, axis: str = "fsdp", *, min_size: int = MIN_SHARD_SIZE) -> Any:
+def shard(tree: Any, mesh: Mesh, axis: str = "fsdp", *, min_size: int = MIN_SHARD_SIZE,
+          gather_dtype: Any = None) -> Any:
   """Places every leaf of `tree` sharded along `axis` (rule: `partition_spec`).
 
-  Every `jg.flat.FlatTree` in `tree` is first padded (`jg.flat.pad`): each buffer of at
-  least `min_size` elements to a multiple of the axis size, so it shards evenly (the padding
-  is never unraveled and its gradient is zero: numerics are unchanged). Its layout then
-  constrains the buffers to replicated before unravelling (`jg.flat.with_unravel_sharding`):
-  inside a layer's executable, one all-gather per buffer. The layer function needs no
-  `gather`, and the gathered slices are recomputed by the backward, never kept.
+  Every buffer of at least `min_size` elements of every `jg.flat.FlatTree` in `tree` is
+  first split in as many parts as the axis has devices (`jg.flat.split`: each device's
+  shard holds a piece of every leaf, zero-padded, never unraveled: numerics are unchanged),
+  and the FlatTree's layout gathers those buffers (`jg.flat.with_gather`): inside a layer's
+  executable one all-gather per buffer, and in its backward one reduce-scatter per leaf
+  into the shards. The layer function needs no `gather`, and the gathered slices are
+  recomputed by the backward, never kept.
+
+  Args:
+    tree: the params: pytrees of arrays, FlatTrees, or both.
+    mesh: the FSDP mesh (`make_mesh`).
+    axis: the mesh axis to shard along.
+    min_size: leaves and buffers with fewer elements stay replicated.
+    gather_dtype: for FlatTrees, the dtype their split buffers are gathered in (the shard is
+      cast before the all-gather, FSDP2's `param_dtype`: `jnp.bfloat16` halves the bytes of
+      float32 params), so the layer gets its weights in it. Use it where the layer casts its
+      weights to that dtype anyway (a bfloat16 compute dtype): the layer then computes the
+      same values. Gradients come back in the buffers' dtype. None gathers as stored.
 
   With several processes (`jax.distributed.initialize`) every process passes the same full
   values (e.g. from the same seed) and keeps only the shards of its own devices.
   """
+  gather = flat_lib.Gather(mesh, axis, None if gather_dtype is None else np.dtype(gather_dtype))
   n = _axis_size(mesh, axis)
-  replicated = NamedSharding(mesh, PartitionSpec())
 
   def prepare(node: Any) -> Any:
     if not isinstance(node, flat_lib.FlatTree):
       return node
-    padded = flat_lib.pad(node, n, min_size=min_size)
-    return flat_lib.with_unravel_sharding(padded, replicated)
+    return flat_lib.with_gather(flat_lib.split(node, n, min_size=min_size), gather)
 
   tree = jax.tree.map(prepare, tree, is_leaf=flat_lib.is_flat)
   return jax.tree.map(place, tree, shardings(tree, mesh, axis, min_size=min_size))

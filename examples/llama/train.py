@@ -290,8 +290,9 @@ class Placement:
   method hands back what it gets (`host` is `jax.device_get`), so that run is unchanged.
   With --fsdp N: on a one-axis mesh of N devices (`jg.fsdp.make_mesh`). The params, their
   grads and the optimizer state are sharded along it (`jg.fsdp.shard`: every flat buffer of
-  at least `min_size` elements padded to a multiple of N and split N ways, the smaller ones
-  replicated: `shard_threshold` keeps the norm scales whole), each batch is split along it
+  at least `min_size` elements split N ways, a piece of every weight in each part, gathered
+  in `gather_dtype` (the compute dtype), the smaller ones replicated: `shard_threshold`
+  keeps the norm scales whole), each batch is split along it
   (data parallel over the same devices), scalars and keys are replicated. With several processes
   (`jax.distributed`) the mesh holds every process's devices and `host` gathers the shards
   of all of them.
@@ -309,8 +310,9 @@ class Placement:
   before the next is dispatched (`wait`). GPU streams run executables in order.
   """
 
-  def __init__(self, mesh: Mesh | None = None, min_size: int = fsdp.MIN_SHARD_SIZE):
-    self.mesh, self.min_size = mesh, min_size
+  def __init__(self, mesh: Mesh | None = None, min_size: int = fsdp.MIN_SHARD_SIZE,
+               gather_dtype: Any = None):
+    self.mesh, self.min_size, self.gather_dtype = mesh, min_size, gather_dtype
     self.on_cpu = mesh is not None and mesh.devices.flat[0].platform == "cpu"
     self.serial = self.on_cpu and jax.distributed.is_initialized()
 
@@ -332,8 +334,9 @@ class Placement:
   def shard(self, params: Params) -> Params:
     """The params placed (`jg.fsdp.shard`: FlatTree buffers padded, sharded, and gathered
     once per buffer where a layer unravels them)."""
-    return params if self.mesh is None else fsdp.shard(params, self.mesh,
-                                                        min_size=self.min_size)
+    if self.mesh is None:
+      return params
+    return fsdp.shard(params, self.mesh, min_size=self.min_size, gather_dtype=self.gather_dtype)
 
   def shardings(self, tree: Any) -> Any:
     """The sharding of every leaf of `tree` (arrays or abstract values) under the placement
@@ -407,7 +410,7 @@ class Placement:
     generation: one sequence, nothing to split)."""
     if self.mesh is None:
       return params
-    return [jg.flat.with_unravel_sharding(jax.tree.map(jnp.asarray, p), None)
+    return [jg.flat.with_gather(jax.tree.map(jnp.asarray, p), None)
             for p in self.host(params)]
 
 
@@ -1490,7 +1493,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = [jg.flat.ravel(p, group=flat_group) for p in params]
     print(f"params held flat: {len(jax.tree.leaves(params))} buffers for "
           f"{sum(len(p.layout.slots) for p in params)} leaves")
-  placement = Placement() if mesh is None else Placement(mesh, shard_threshold(params))
+  # The blocks cast their matrices to the compute dtype: gathered in it, half the bytes.
+  placement = (Placement() if mesh is None else
+               Placement(mesh, shard_threshold(params), config.compute_dtype))
   params = placement.shard(params)
 
   # Capture. Training: forward + backward, dropout keys from each layer's stream (not with
