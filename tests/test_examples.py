@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 
+import llama_golden
 from processes import free_port, run_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -238,6 +239,49 @@ def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, en
       True, True]
   step, meta = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
   assert step == 4 and meta["vocabulary"] == vocabulary
+
+
+# ------------------------------------------------- the numbers of earlier versions, pinned
+
+
+def _golden() -> dict[str, Any]:
+  """This machine's golden numbers of the tiny preset (tests/llama_golden.py), or a skip that
+  says why there are none and how to record them."""
+  found = llama_golden.expected()
+  if isinstance(found, str):
+    pytest.skip(found)
+  return found
+
+
+def test_llama_tiny_preset_computes_the_golden_numbers(tmp_path, env):
+  """`--preset tiny` as a user runs it: bit for bit the losses, held-out losses, params and
+  generated text the example computed before it became a package of modules (ac11c78;
+  tests/data/llama/golden.json says how they were recorded)."""
+  golden = _golden()
+  _run("llama/train.py", env, "--preset", "tiny", "--out", str(tmp_path))
+  metrics = json.loads((tmp_path / "metrics.json").read_text())
+  assert metrics["losses"] == golden["losses"]  # floats from float32: equal means bitwise
+  assert metrics["eval_losses"] == golden["eval_losses"]
+  assert metrics["params_sha256"] == golden["params_sha256"]
+  assert metrics["generation"]["continuation"] == golden["continuation"]
+
+
+def test_llama_resumes_a_checkpoint_written_before_the_split(common, tmp_path, env):
+  """The step-10 checkpoint of that golden run, as the example at ac11c78 wrote it, resumes
+  (its layout, config, vocabulary and digests are this version's); where the golden numbers
+  were recorded, the resumed run ends bit for bit as the golden run did."""
+  shutil.copytree(llama_golden.CHECKPOINT, tmp_path / "checkpoints")
+  step, saved = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
+  out = _run("llama/train.py", env, "--preset", "tiny", "--generate", "0", "--out",
+             str(tmp_path), "--resume")
+  assert step == 10 and "resumed from step 10" in out  # restored, digests verified
+  metrics = json.loads((tmp_path / "metrics.json").read_text())
+  assert metrics["losses"][:10] == saved["losses"] and len(metrics["losses"]) == 12
+  golden = llama_golden.expected()
+  if not isinstance(golden, str):  # else steps 11 and 12 ran on another machine's numerics
+    assert metrics["losses"] == golden["losses"]
+    assert metrics["eval_losses"] == golden["eval_losses"]
+    assert metrics["params_sha256"] == golden["params_sha256"]
 
 
 # ------------------------------------------------------------------------------- --fsdp
