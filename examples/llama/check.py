@@ -44,6 +44,14 @@ def first_step_grads(trainer: Trainer, params: Params, corpus: Corpus, step: int
   return total
 
 
+def starting_point(placement: Placement, trainer: Trainer, params: Params, opt_state: Any,
+                   corpus: Corpus, step: int, positions: jax.Array) -> tuple[Start, Grads]:
+  """Before the run trains step `step`: where the rerun starts, and that step's graphed
+  grads (`first_step_grads`: not applied), both on the host."""
+  start = Start(placement.host(params), placement.host(opt_state), trainer.streams())
+  return start, placement.host(first_step_grads(trainer, params, corpus, step, positions))
+
+
 def max_diff(a: Any, b: Any) -> float:
   return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -81,44 +89,6 @@ def compare_with_whole_step(whole: WholeStep, start: Start, corpus: Corpus, step
   return found, (check_params, check_state)
 
 
-def report_check(found: dict[str, Any], loop: dict[str, Any], compute_dtype: Any,
-                 steps: int) -> None:
-  """Prints what `compare_with_whole_step` found, why it is not bitwise, both throughputs."""
-  bitwise = found["first_step_loss_diff"] == 0 and found["first_step_max_grad_diff"] == 0
-  print(f"--check against one whole-step jax.jit (compiled in "
-        f"{found['whole_step_compile_seconds']:.1f} s), same keys: first step "
-        f"{'bitwise equal' if bitwise else 'NOT bitwise equal'} (|loss diff| "
-        f"{found['first_step_loss_diff']:.3g}, max |grad diff| "
-        f"{found['first_step_max_grad_diff']:.3g}); over {steps} steps max |loss diff| "
-        f"{found['max_loss_diff']:.3g}, final max |param diff| "
-        f"{found['last_max_param_diff']:.3g}.")
-  if not bitwise:
-    why = ("where XLA keeps the bf16 activations in excess precision "
-           "(XLA_FLAGS=--xla_allow_excess_precision=false rounds them, as the graphed layers "
-           "do)" if compute_dtype == jnp.bfloat16 else
-           "and its fused kernels sum some products in another order (last-bit differences)")
-    print(f"  Not bitwise: the whole step fuses across layer boundaries, {why}. See "
-          "docs/llama.md.")
-  rates = found["throughput"]
-  graphed, whole = (rate_summary(rates[k], found["round_steps"]) for k in ("graphed", "whole_step"))
-  print(f"tokens/s, steady state ({len(rates['graphed'])} alternating rounds of "
-        f"{found['round_steps']} steps each, after {found['round_steps']} untimed warm-up "
-        f"steps; median, spread): graphed {graphed['median']:,.0f} "
-        f"({graphed['spread_percent']:.0f}%), whole-step jax.jit {whole['median']:,.0f} "
-        f"({whole['spread_percent']:.0f}%), graphed/whole-step "
-        f"{graphed['median'] / whole['median']:.3f}; the training loop above: "
-        f"{describe_rates(loop)}, graphed")
-
-
-
-def starting_point(placement: Placement, trainer: Trainer, params: Params, opt_state: Any,
-                   corpus: Corpus, step: int, positions: jax.Array) -> tuple[Start, Grads]:
-  """Before the run trains step `step`: where the rerun starts, and that step's graphed
-  grads (`first_step_grads`: not applied), both on the host."""
-  start = Start(placement.host(params), placement.host(opt_state), trainer.streams())
-  return start, placement.host(first_step_grads(trainer, params, corpus, step, positions))
-
-
 def rerun(fns: Sequence[Callable[..., Any]], config: Config, tx: optax.GradientTransformation,
           preset: Preset, start: Start, first_grads: Grads, *, graph_ends: bool,
           policy: Callable[..., bool] | None, placement: Placement, corpus: Corpus,
@@ -149,3 +119,32 @@ def time_both(found: dict[str, Any], trainer: Trainer, state: tuple[Params, Any]
       corpus, positions, preset.microbatches, preset.rounds, preset.round_steps)
   found["round_steps"] = preset.round_steps
   return found
+
+
+def report_check(found: dict[str, Any], loop: dict[str, Any], compute_dtype: Any,
+                 steps: int) -> None:
+  """Prints what `compare_with_whole_step` found, why it is not bitwise, both throughputs."""
+  bitwise = found["first_step_loss_diff"] == 0 and found["first_step_max_grad_diff"] == 0
+  print(f"--check against one whole-step jax.jit (compiled in "
+        f"{found['whole_step_compile_seconds']:.1f} s), same keys: first step "
+        f"{'bitwise equal' if bitwise else 'NOT bitwise equal'} (|loss diff| "
+        f"{found['first_step_loss_diff']:.3g}, max |grad diff| "
+        f"{found['first_step_max_grad_diff']:.3g}); over {steps} steps max |loss diff| "
+        f"{found['max_loss_diff']:.3g}, final max |param diff| "
+        f"{found['last_max_param_diff']:.3g}.")
+  if not bitwise:
+    why = ("where XLA keeps the bf16 activations in excess precision "
+           "(XLA_FLAGS=--xla_allow_excess_precision=false rounds them, as the graphed layers "
+           "do)" if compute_dtype == jnp.bfloat16 else
+           "and its fused kernels sum some products in another order (last-bit differences)")
+    print(f"  Not bitwise: the whole step fuses across layer boundaries, {why}. See "
+          "docs/llama.md.")
+  rates = found["throughput"]
+  graphed, whole = (rate_summary(rates[k], found["round_steps"]) for k in ("graphed", "whole_step"))
+  print(f"tokens/s, steady state ({len(rates['graphed'])} alternating rounds of "
+        f"{found['round_steps']} steps each, after {found['round_steps']} untimed warm-up "
+        f"steps; median, spread): graphed {graphed['median']:,.0f} "
+        f"({graphed['spread_percent']:.0f}%), whole-step jax.jit {whole['median']:,.0f} "
+        f"({whole['spread_percent']:.0f}%), graphed/whole-step "
+        f"{graphed['median'] / whole['median']:.3f}; the training loop above: "
+        f"{describe_rates(loop)}, graphed")
