@@ -7,7 +7,7 @@
 Each variant (an `--offload` of examples/llama/train.py: by default none, slowdown=5% and
 all) runs alone in a fresh process, as peak_bytes_in_use only grows. It builds the
 example's vocabulary, model (flat params, `--residuals recompute`) and graphed training
-step as `train.py --offload ...` does: for an offloading variant, `train.plan_offload`
+step as `train.py --offload ...` does: for an offloading variant, `plan_offload`
 first measures the blocks without offload (one block's residuals alive at a time) and the
 link, and plans; then the training layers are captured with the plan's flags and
 `offload_min_bytes`. Then `--warmup` untimed steps and `--rounds` rounds of `--round-steps`
@@ -43,11 +43,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "examples" / "llama"), str(ROOT / "examples")]
+sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
 import jaxgraph as jg  # noqa: E402
-import train  # noqa: E402
 from common import write_json  # noqa: E402
-from model import Llama  # noqa: E402
+from llama.data import make_corpus, step_batches, vocabulary_record  # noqa: E402
+from llama.layers import RESIDUAL_POLICIES, build_layers, split, tied_inputs  # noqa: E402
+from llama.model import Llama  # noqa: E402
+from llama.offload import offload_spec, plan_offload  # noqa: E402
+from llama.presets import PRESETS, Preset, model_config  # noqa: E402
+from llama.trainer import Trainer, flat_group, optimizer  # noqa: E402
 
 VARIANTS = ("none", "slowdown=5%", "all")
 
@@ -58,42 +62,42 @@ def device_memory() -> dict[str, int] | None:
   return None if not stats else {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use")}
 
 
-def preset_of(args: argparse.Namespace) -> train.Preset:
+def preset_of(args: argparse.Namespace) -> Preset:
   """The example's preset with --context and --batch."""
   changes = {"context": args.context, "batch": args.batch}
-  return dataclasses.replace(train.PRESETS[args.preset],
+  return dataclasses.replace(PRESETS[args.preset],
                              **{k: v for k, v in changes.items() if v is not None})
 
 
 def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
   """One variant in this process: the example's step built with `--offload variant`, timed."""
-  spec = train.offload_spec(variant)
+  spec = offload_spec(variant)
   preset = preset_of(args)
   if jax.default_backend() != "gpu":
     preset = dataclasses.replace(preset, attention=None)  # cuDNN attention: GPUs only
-  text, corpus = train.make_corpus(preset, 0, args.cache)
-  config = train.model_config(preset, corpus.vocabulary.size)
-  fns, params = train.split(Llama(config, rngs=nnx.Rngs(params=0)))
-  params = [jg.flat.ravel(p, group=train.flat_group) for p in params]
+  text, corpus = make_corpus(preset, 0, args.cache)
+  config = model_config(preset, corpus.vocabulary.size)
+  fns, params = split(Llama(config, rngs=nnx.Rngs(params=0)))
+  params = [jg.flat.ravel(p, group=flat_group) for p in params]
   tokens = jax.ShapeDtypeStruct((preset.batch, preset.context), jnp.int32)
   x = jax.ShapeDtypeStruct((preset.batch, preset.context, config.width), config.compute_dtype)
   positions = jnp.arange(preset.context)
   sample_args = ([(params[0], tokens)] + [(p, x, positions) for p in params[1:-1]]
-                 + [(params[-1], x, tokens, *train.tied_inputs(params, config))])
-  policy = train.RESIDUAL_POLICIES["recompute"]
+                 + [(params[-1], x, tokens, *tied_inputs(params, config))])
+  policy = RESIDUAL_POLICIES["recompute"]
   begin = time.perf_counter()
   choice = None
   if spec.kind != "none":
-    choice = train.plan_offload(spec, fns[1:-1], params[1:-1], x, positions,
+    choice = plan_offload(spec, fns[1:-1], params[1:-1], x, positions,
                                 remat_policy=policy, seed=0)
     print(f"[{variant}]\n{choice.table()}\n{choice.plan}", flush=True)
   plan_seconds = time.perf_counter() - begin
-  layers = train.build_layers(fns, sample_args, graph_ends=True, rng=jax.random.key(0),
+  layers = build_layers(fns, sample_args, graph_ends=True, rng=jax.random.key(0),
                               remat_policy=policy,
                               **({} if choice is None else choice.options(graph_ends=True)))
-  tx = train.optimizer(preset, 1000)
+  tx = optimizer(preset, 1000)
   state = (params, tx.init(params))
-  trainer = train.Trainer(layers, config, tx, preset.microbatches, *state)
+  trainer = Trainer(layers, config, tx, preset.microbatches, *state)
   capture_seconds = time.perf_counter() - begin - plan_seconds
   blocks = layers[1:-1]
   before = device_memory()
@@ -103,7 +107,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     nonlocal state, done
     for _ in range(count):
       done += 1
-      *state, _ = trainer.step(*state, train.step_batches(corpus, done, preset.microbatches),
+      *state, _ = trainer.step(*state, step_batches(corpus, done, preset.microbatches),
                                positions)
     jax.block_until_ready(state)
 
@@ -119,7 +123,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
       "variant": variant, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
       "preset": args.preset, "context": preset.context,
       "batch": preset.batch, "microbatches": preset.microbatches,
-      "attention": preset.attention, "vocabulary": train.vocabulary_record(text,
+      "attention": preset.attention, "vocabulary": vocabulary_record(text,
                                                                             corpus.vocabulary),
       "params": sum(x.size for x in jax.tree.leaves(params)),
       "tokens_per_step": tokens_per_step, "rounds_tok_s": [round(r, 1) for r in rates],
@@ -161,7 +165,7 @@ def table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--preset", default="gpu-1b", choices=sorted(train.PRESETS))
+  parser.add_argument("--preset", default="gpu-1b", choices=sorted(PRESETS))
   parser.add_argument("--context", type=int, help="tokens per sequence (default: the preset's)")
   parser.add_argument("--batch", type=int, help="sequences per microbatch (default: preset's)")
   parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
@@ -179,7 +183,7 @@ def main() -> None:
   args = parser.parse_args()
   for variant in args.variants:
     try:
-      train.offload_spec(variant)
+      offload_spec(variant)
     except argparse.ArgumentTypeError as e:
       parser.error(str(e))
   if args.child is not None:

@@ -2,7 +2,7 @@
 key-stream positions, verified Orbax checkpoints that hold them with the run's config and
 loss history, atomic JSON writes, the progress bar, a params digest, the loss plot.
 
-Used by examples/train_gpt.py and examples/llama/train.py.
+Used by examples/train_gpt.py and the Llama example (examples/llama/).
 """
 
 from __future__ import annotations

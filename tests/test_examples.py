@@ -1,5 +1,7 @@
 """The examples run: train_gpt and llama/train (tiny presets) train, checkpoint, resume
 bitwise and match a whole-step jax.jit; the Llama decode loop does not compile; linen_mlp.
+The Llama tiny preset computes the golden numbers recorded from an earlier version and
+resumes a checkpoint it wrote (tests/llama_golden.py).
 Checkpoints: the history lives in the checkpoint, a corrupt step is named and skipped; flags
 and `--out` are checked before anything runs; an earlier run is never deleted; a failed write
 ends in one message that says how to continue; the gpu-1b preset has ~1B params and fits
@@ -25,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 
+import llama_golden
 from processes import free_port, run_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -240,6 +243,49 @@ def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, en
   assert step == 4 and meta["vocabulary"] == vocabulary
 
 
+# ------------------------------------------------- the numbers of earlier versions, pinned
+
+
+def _golden() -> dict[str, Any]:
+  """This machine's golden numbers of the tiny preset (tests/llama_golden.py), or a skip that
+  says why there are none and how to record them."""
+  found = llama_golden.expected()
+  if isinstance(found, str):
+    pytest.skip(found)
+  return found
+
+
+def test_llama_tiny_preset_computes_the_golden_numbers(tmp_path, env):
+  """`--preset tiny` as a user runs it: bit for bit the losses, held-out losses, params and
+  generated text the example computed before it became a package of modules (ac11c78;
+  tests/data/llama/golden.json says how they were recorded)."""
+  golden = _golden()
+  _run("llama/train.py", env, "--preset", "tiny", "--out", str(tmp_path))
+  metrics = json.loads((tmp_path / "metrics.json").read_text())
+  assert metrics["losses"] == golden["losses"]  # floats from float32: equal means bitwise
+  assert metrics["eval_losses"] == golden["eval_losses"]
+  assert metrics["params_sha256"] == golden["params_sha256"]
+  assert metrics["generation"]["continuation"] == golden["continuation"]
+
+
+def test_llama_resumes_a_checkpoint_written_before_the_split(common, tmp_path, env):
+  """The step-10 checkpoint of that golden run, as the example at ac11c78 wrote it, resumes
+  (its layout, config, vocabulary and digests are this version's); where the golden numbers
+  were recorded, the resumed run ends bit for bit as the golden run did."""
+  shutil.copytree(llama_golden.CHECKPOINT, tmp_path / "checkpoints")
+  step, saved = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
+  out = _run("llama/train.py", env, "--preset", "tiny", "--generate", "0", "--out",
+             str(tmp_path), "--resume")
+  assert step == 10 and "resumed from step 10" in out  # restored, digests verified
+  metrics = json.loads((tmp_path / "metrics.json").read_text())
+  assert metrics["losses"][:10] == saved["losses"] and len(metrics["losses"]) == 12
+  golden = llama_golden.expected()
+  if not isinstance(golden, str):  # else steps 11 and 12 ran on another machine's numerics
+    assert metrics["losses"] == golden["losses"]
+    assert metrics["eval_losses"] == golden["eval_losses"]
+    assert metrics["params_sha256"] == golden["params_sha256"]
+
+
 # ------------------------------------------------------------------------------- --fsdp
 
 FSDP = ["--preset", "tiny", "--steps", "12", "--fsdp", "8"]
@@ -397,13 +443,18 @@ MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
 @pytest.fixture
 def llama(monkeypatch: pytest.MonkeyPatch) -> Any:
-  """examples/llama/train.py imported in this process (its model.py as `model`)."""
+  """The Llama example's package, examples/llama/, imported in this process with its train.py
+  (as `llama.train`, which imports every module): `llama.cli.parse`, `llama.layers.split`,
+  `llama.model.Llama`, ..."""
   # The example sets the variable where it is unset: put back as it was after the test.
   monkeypatch.setenv(MEMORY_FRACTION, os.environ.get(MEMORY_FRACTION, ""))
   monkeypatch.delenv(MEMORY_FRACTION)
-  yield _load(monkeypatch, "llama_train", EXAMPLES / "llama" / "train.py")
-  for name in ("model", "common"):  # the example's own top-level modules
-    sys.modules.pop(name, None)
+  monkeypatch.syspath_prepend(str(EXAMPLES))
+  importlib.import_module("llama.train")
+  yield sys.modules["llama"]
+  for name in [name for name in sys.modules if name.partition(".")[0] == "llama"]:
+    sys.modules.pop(name)
+  sys.modules.pop("common", None)  # the examples' shared module, as the package imported it
 
 
 @pytest.fixture
@@ -415,9 +466,10 @@ def gpt(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.fixture(params=["gpt", "llama"])
 def example(request: pytest.FixtureRequest) -> Any:
-  """Each training example, imported in this process; `sys.modules["common"]` is the
-  examples/common.py it imported."""
-  return request.getfixturevalue(request.param)
+  """Each training example's command line (`parse`), imported in this process (train_gpt.py;
+  the Llama example's cli.py); `sys.modules["common"]` is the examples/common.py it imported."""
+  module = request.getfixturevalue(request.param)
+  return module.cli if request.param == "llama" else module
 
 
 def test_llama_kv_cache_decode_matches_the_full_forward(llama):
@@ -425,18 +477,18 @@ def test_llama_kv_cache_decode_matches_the_full_forward(llama):
   from flax import nnx
 
   with jax.default_matmul_precision("highest"):  # float32 dots also on GPU (not TF32)
-    config = llama.Config(vocab=13, width=32, depth=2, heads=4, kv_heads=2, hidden=48,
-                          compute_dtype=jnp.float32)
-    model = llama.Llama(config, rngs=nnx.Rngs(0))
+    config = llama.model.Config(vocab=13, width=32, depth=2, heads=4, kv_heads=2, hidden=48,
+                                compute_dtype=jnp.float32)
+    model = llama.model.Llama(config, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 10), 0, config.vocab)
     expected = model(tokens)  # the plain NNX forward: logits at every position
-    fns, params = llama.split(model)
+    fns, params = llama.layers.split(model)
     caches = model.init_cache(1, 10)
     cache = jax.eval_shape(lambda: caches[0])
     prompt = 4
     prefill, decode = (
-        llama.build_layers(fns, llama.generation_args(params, config, cache, n),
-                           graph_ends=True, inference_only=True) for n in (prompt, 1))
+        llama.layers.build_layers(fns, llama.generation.generation_args(params, config, cache, n),
+                                  graph_ends=True, inference_only=True) for n in (prompt, 1))
 
     def run(layers, tokens, positions):
       x = layers[0](params[0], tokens)
@@ -582,20 +634,20 @@ def test_metrics_json_is_written_atomically(common, tmp_path, monkeypatch):
         "offload_slowdown", "offload_whole_step", "offload_fuse", "offload_fsdp"])
 def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):
   with pytest.raises(SystemExit) as exit:
-    llama.parse(["--preset", "tiny", "--out", str(tmp_path), *flags])
+    llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path), *flags])
   assert exit.value.code == 2
   assert re.search(message, capsys.readouterr().err)
 
 
 def test_llama_resume_checks_the_checkpoints_step_and_config(llama, common, capsys, tmp_path):
   run = ["--preset", "tiny", "--out", str(tmp_path), "--resume"]
-  args = llama.parse([*run, "--steps", "40"])  # no checkpoint yet: nothing to compare
-  config = llama.run_config(args, llama.resolve(args))
+  args = llama.cli.parse([*run, "--steps", "40"])  # no checkpoint yet: nothing to compare
+  config = llama.checkpoints.run_config(args, llama.presets.resolve(args))
   common.Checkpoints(tmp_path / "checkpoints").save(30, *_state(1.0), {"config": config})
 
   def refused(*flags: str) -> str:
     with pytest.raises(SystemExit):
-      llama.parse([*run, *flags])
+      llama.cli.parse([*run, *flags])
     return capsys.readouterr().err
 
   assert "at step 30, past --steps 12: pass --steps 30 or more" in refused("--steps", "12")
@@ -610,8 +662,8 @@ def test_llama_resume_checks_the_checkpoints_step_and_config(llama, common, caps
   assert "--batch 4 (the checkpoint's run: 8)" in refused("--steps", "40", "--batch", "4")
   assert "--residuals all (the checkpoint's run: recompute)" in refused(
       "--steps", "40", "--residuals", "all")
-  llama.parse([*run, "--steps", "40", "--batch", "8"])  # the tiny preset's batch: the same run
-  llama.parse([*run, "--steps", "40", "--rounds", "7"])  # measuring differently is the same run
+  llama.cli.parse([*run, "--steps", "40", "--batch", "8"])  # the tiny preset's: the same run
+  llama.cli.parse([*run, "--steps", "40", "--rounds", "7"])  # measured otherwise: the same run
 
 
 # ------------------------------------------------------------ --out: nothing deleted, faults
@@ -843,11 +895,13 @@ def test_llama_sets_the_gpu_memory_fraction_unless_given(llama, monkeypatch):
   monkeypatch.setenv(MEMORY_FRACTION, "0.5")
   _load(monkeypatch, "llama_train_again", EXAMPLES / "llama" / "train.py")
   assert os.environ[MEMORY_FRACTION] == "0.5"  # the user's value is kept
+
+
 def test_llama_offload_spellings(llama):
-  spec = llama.offload_spec
-  assert spec("none") == llama.OffloadSpec("none") and spec("all").kind == "all"
-  assert spec("slowdown=5%") == spec("slowdown=0.05") == llama.OffloadSpec("slowdown", 0.05)
-  assert spec("memory=4GiB") == llama.OffloadSpec("memory", 4 * 2**30)
+  spec, OffloadSpec = llama.offload.offload_spec, llama.offload.OffloadSpec
+  assert spec("none") == OffloadSpec("none") and spec("all").kind == "all"
+  assert spec("slowdown=5%") == spec("slowdown=0.05") == OffloadSpec("slowdown", 0.05)
+  assert spec("memory=4GiB") == OffloadSpec("memory", 4 * 2**30)
   assert spec("memory=512MiB").value == 2**29 and spec("memory=2e9").value == 2e9
   assert spec("memory=1.5GB").value == 1.5e9 and str(spec("slowdown=5%")) == "slowdown=5.0%"
 
@@ -862,21 +916,22 @@ def test_llama_resume_refuses_another_vocabulary(llama, common, capsys, tmp_path
          str(cache)]
 
   def save(out: pathlib.Path, args: Any, record: dict[str, Any] | None) -> None:
-    meta = {"config": llama.run_config(args, llama.resolve(args))}
+    meta = {"config": llama.checkpoints.run_config(args, llama.presets.resolve(args))}
     common.Checkpoints(out / "checkpoints").save(
         30, *_state(1.0), meta if record is None else {**meta, "vocabulary": record})
 
-  args = llama.parse([*run, "--out", str(tmp_path / "same")])
-  ours = llama.vocabulary_record(*llama.load_vocabulary(llama.resolve(args), cache))
+  args = llama.cli.parse([*run, "--out", str(tmp_path / "same")])
+  data = llama.data
+  ours = data.vocabulary_record(*data.load_vocabulary(llama.presets.resolve(args), cache))
   save(tmp_path / "same", args, ours)
-  llama.parse([*run, "--out", str(tmp_path / "same")])  # the same tokenizer: resumes
+  llama.cli.parse([*run, "--out", str(tmp_path / "same")])  # the same tokenizer: resumes
 
   other_text = vocabulary.Text.of("other text", [vocabulary.FABLES.read_text()[::-1]])
-  other = llama.vocabulary_record(other_text, vocabulary.subwords(other_text, 300, cache))
+  other = data.vocabulary_record(other_text, vocabulary.subwords(other_text, 300, cache))
   assert other["digest"] != ours["digest"]
   save(tmp_path / "other", args, other)
   with pytest.raises(SystemExit):
-    llama.parse([*run, "--out", str(tmp_path / "other")])
+    llama.cli.parse([*run, "--out", str(tmp_path / "other")])
   err = capsys.readouterr().err
   assert (f"was trained with byte-level BPE of 300 tokens (digest {other['digest'][:12]}) of "
           f"the other text; this run's vocabulary is byte-level BPE of 300 tokens (digest "
@@ -884,8 +939,8 @@ def test_llama_resume_refuses_another_vocabulary(llama, common, capsys, tmp_path
   assert "or start a new run with another --out" in err
 
   chars = ["--preset", "tiny", "--resume", "--steps", "40", "--out", str(tmp_path / "old")]
-  save(tmp_path / "old", llama.parse(chars), None)  # written before vocabularies were recorded
-  llama.parse(chars)  # the fables' characters: resumes
+  save(tmp_path / "old", llama.cli.parse(chars), None)  # from before vocabularies were saved
+  llama.cli.parse(chars)  # the fables' characters: resumes
 
 
 def test_subword_vocabulary_round_trips_and_is_trained_once(common, monkeypatch, tmp_path):
@@ -946,15 +1001,16 @@ def test_examples_share_one_progress_bar(common, monkeypatch, capsys):
 
 
 def test_gpu_presets_time_steady_state_and_gpu_1b_fits_80gb(llama):
+  presets = llama.presets.PRESETS
   for name in ("gpu", "gpu-1b"):
-    preset = llama.PRESETS[name]
+    preset = presets[name]
     assert preset.check and preset.rounds >= 5 and preset.round_steps >= 40, name
   for name in ("tiny", "cpu"):  # cheap on CPU: at most 80 timed steps in --check
-    assert llama.PRESETS[name].rounds * llama.PRESETS[name].round_steps <= 40, name
-    assert llama.PRESETS[name].vocab is None  # characters: fast, and the bitwise tests
+    assert presets[name].rounds * presets[name].round_steps <= 40, name
+    assert presets[name].vocab is None  # characters: fast, and the bitwise tests
   for name in ("gpu", "gpu-1b"):  # a subword vocabulary of a real model's size
-    assert llama.PRESETS[name].vocab >= 8192 and llama.PRESETS[name].text == "stdlib", name
-  estimate = llama.memory_estimate(llama.PRESETS["gpu-1b"], llama.PRESETS["gpu-1b"].vocab)
+    assert presets[name].vocab >= 8192 and presets[name].text == "stdlib", name
+  estimate = llama.memory.memory_estimate(presets["gpu-1b"], presets["gpu-1b"].vocab)
   assert 0.95e9 < estimate["params"] < 1.1e9, estimate
   # float32 params, AdamW moments, summed and one microbatch's grads, and one microbatch's
   # residuals (jax.vjp's, flash attention), with room for the whole step's temporaries.

@@ -45,10 +45,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 from benchmarks import bench  # sets the allocator environment before jax starts
 from benchmarks import gpt, harness, profiling
-from benchmarks.probes import llama_breakdown  # puts examples/llama on the path
+from benchmarks.probes import llama_breakdown  # puts examples/ on the path
 import jax
 import jax.numpy as jnp
-import train  # examples/llama
+from llama.data import step_batches
 
 import jaxgraph as jg
 from jaxgraph import fusion
@@ -129,11 +129,9 @@ def llama_case(name: str, setup: llama_breakdown.Setup, preset: str) -> Case:
   kind = base.removeprefix("llama-")
   begin = time.perf_counter()
   trainer = llama_breakdown.build(setup, kind)
-  module = train.jg  # jaxgraph, or its fused stand-in: what the trainer calls
-  batches = train.step_batches(setup.corpus, 0, trainer.microbatches)
+  batches = step_batches(setup.corpus, 0, trainer.microbatches)
 
   def step(state: tuple[Any, Any]) -> tuple[Any, Any]:
-    train.jg = module  # read at call time, and the variants alternate
     return trainer.step(*state, batches, setup.positions)[:2]
 
   fused = llama_breakdown.VARIANTS[kind][2]

@@ -40,12 +40,16 @@ from flax import nnx
 from benchmarks import harness, profiling
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "examples" / "llama"), str(ROOT / "examples")]
+sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import capture as capture_lib  # noqa: E402
-import train  # noqa: E402
 from common import Corpus  # noqa: E402
-from model import Config, Llama  # noqa: E402
+from llama.data import make_corpus, step_batches  # noqa: E402
+from llama.layers import build_layers, split, tied_inputs  # noqa: E402
+from llama.model import Config, Llama  # noqa: E402
+from llama.presets import PRESETS  # noqa: E402
+from llama.trainer import Trainer, flat_group, optimizer  # noqa: E402
+from llama.whole_step import WholeStep, initial_streams  # noqa: E402
 
 RECOMPUTE = jg.residuals.recompute_elementwise
 VARIANTS = {
@@ -56,15 +60,6 @@ VARIANTS = {
     "recompute-pack-all": (RECOMPUTE, 1 << 40, False),
     "recompute-fuse": (RECOMPUTE, None, True),
 }
-
-
-class _Fused:
-  """jaxgraph as train.py sees it, with `sequential_vjp(..., fuse=True)`."""
-
-  sequential_vjp = staticmethod(functools.partial(jg.sequential_vjp, fuse=True))
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(jg, name)
 
 
 @dataclasses.dataclass
@@ -81,41 +76,40 @@ def setup(preset_name: str, flat: bool, cache: pathlib.Path = pathlib.Path("runs
           ) -> Setup:
   """The preset's model, params and corpus (its vocabulary: the example's, cached in `cache`
   as the example's --cache)."""
-  preset = train.PRESETS[preset_name]
-  _, corpus = train.make_corpus(preset, 0, cache)
+  preset = PRESETS[preset_name]
+  _, corpus = make_corpus(preset, 0, cache)
   config = Config(vocab=corpus.vocabulary.size, width=preset.width, depth=preset.depth,
                   heads=preset.heads, kv_heads=preset.kv_heads, hidden=preset.hidden,
                   dropout=preset.dropout, attention=preset.attention
                   if harness.attention(None) == "cudnn" else None)
-  fns, params = train.split(Llama(config, rngs=nnx.Rngs(params=0)))
+  fns, params = split(Llama(config, rngs=nnx.Rngs(params=0)))
   if flat:
-    params = [jg.flat.ravel(p, group=train.flat_group) for p in params]
+    params = [jg.flat.ravel(p, group=flat_group) for p in params]
   return Setup(preset, config, corpus, fns, params, jnp.arange(preset.context))
 
 
-def build(s: Setup, variant: str) -> train.Trainer:
+def build(s: Setup, variant: str) -> Trainer:
   policy, pack, fuse = VARIANTS[variant]
-  train.jg = _Fused() if fuse else jg
   if pack is not None:
     capture_lib.PACK_MAX_BYTES = pack
   tokens = jax.ShapeDtypeStruct((s.preset.batch, s.preset.context), jnp.int32)
   x = jax.ShapeDtypeStruct((s.preset.batch, s.preset.context, s.config.width),
                            s.config.compute_dtype)
-  table = train.tied_inputs(s.params, s.config)
+  table = tied_inputs(s.params, s.config)
   sample_args = ([(s.params[0], tokens)] + [(p, x, s.positions) for p in s.params[1:-1]]
                  + [(s.params[-1], x, tokens, *table)])
   begin = time.perf_counter()
-  layers = train.build_layers(s.fns, sample_args, graph_ends=True, rng=jax.random.key(0),
+  layers = build_layers(s.fns, sample_args, graph_ends=True, rng=jax.random.key(0),
                               remat_policy=policy)
   capture_lib.PACK_MAX_BYTES = DEFAULT_PACK
-  tx = train.optimizer(s.preset, 1000)
-  trainer = train.Trainer(layers, s.config, tx, s.preset.microbatches, s.params,
-                          tx.init(s.params))
+  tx = optimizer(s.preset, 1000)
+  trainer = Trainer(layers, s.config, tx, s.preset.microbatches, s.params, tx.init(s.params),
+                    fuse=fuse)
   trainer.capture_seconds = time.perf_counter() - begin
   return trainer
 
 
-def call_costs(s: Setup, trainer: train.Trainer, burst: int = 8, long: int = 40
+def call_costs(s: Setup, trainer: Trainer, burst: int = 8, long: int = 40
                ) -> dict[str, Any]:
   """One block: arrays per vjp, host us per call in short bursts, device-paced us per call."""
   params = s.params
@@ -173,23 +167,23 @@ def call_costs(s: Setup, trainer: train.Trainer, burst: int = 8, long: int = 40
   return result
 
 
-def whole_step(s: Setup, trainer: train.Trainer) -> train.WholeStep:
+def whole_step(s: Setup, trainer: Trainer) -> WholeStep:
   """The whole-step jit, compiled; it draws its keys from the same streams on the device."""
   begin = time.perf_counter()
-  whole = train.WholeStep(s.fns, s.config, trainer.tx, trainer.microbatches,
-                          train.initial_streams(0, len(s.fns)), True, s.params,
+  whole = WholeStep(s.fns, s.config, trainer.tx, trainer.microbatches,
+                          initial_streams(0, len(s.fns)), True, s.params,
                           trainer.tx.init(s.params),
-                          train.step_batches(s.corpus, 0, trainer.microbatches), s.positions)
+                          step_batches(s.corpus, 0, trainer.microbatches), s.positions)
   print(f"whole step compiled in {time.perf_counter() - begin:.1f} s", flush=True)
   return whole
 
 
-def step_rates(s: Setup, trainer: train.Trainer, whole: train.WholeStep, rounds: int,
+def step_rates(s: Setup, trainer: Trainer, whole: WholeStep, rounds: int,
                steps: int) -> dict[str, Any]:
   """Alternating rounds: tokens/s of graphed and whole step, and graphed host enqueue."""
   microbatches = trainer.microbatches
   tokens_per_step = microbatches * s.preset.batch * s.preset.context
-  batches = [train.step_batches(s.corpus, i, microbatches) for i in range(8)]
+  batches = [step_batches(s.corpus, i, microbatches) for i in range(8)]
 
   def run_graphed(state, i):
     return trainer.step(*state, batches[i % 8], s.positions)[:2]
@@ -224,7 +218,7 @@ def step_rates(s: Setup, trainer: train.Trainer, whole: train.WholeStep, rounds:
           "graphed_enqueue_ms_per_step": statistics.median([ms for _, ms in found["graphed"]])}
 
 
-def microbatch_host(s: Setup, trainer: train.Trainer) -> dict[str, float]:
+def microbatch_host(s: Setup, trainer: Trainer) -> dict[str, float]:
   """Host ms to enqueue one microbatch (26 calls, under the in-flight limit) after a sync."""
   tokens, targets = s.corpus.batch_at(1)
   samples = []
@@ -243,11 +237,11 @@ def microbatch_host(s: Setup, trainer: train.Trainer) -> dict[str, float]:
 # ------------------------------------------------------------------------------------ trace
 
 
-def trace_steps(s: Setup, trainer: train.Trainer, whole: train.WholeStep,
+def trace_steps(s: Setup, trainer: Trainer, whole: WholeStep,
                 directory: pathlib.Path, steps: int = 3) -> dict[str, Any]:
   """GPU busy time per step of graphed and whole step, from a profiler trace of each."""
   found = {}
-  batches = train.step_batches(s.corpus, 0, trainer.microbatches)
+  batches = step_batches(s.corpus, 0, trainer.microbatches)
   opt_state = trainer.tx.init(s.params)
   for name in ("graphed", "whole_step"):
     state = (jax.tree.map(jnp.copy, s.params), jax.tree.map(jnp.copy, opt_state))
@@ -310,7 +304,7 @@ def clock_log(path: pathlib.Path, stop: threading.Event) -> threading.Thread:
   return thread
 
 
-def native_profile(s: Setup, trainer: train.Trainer, seconds: float, path: pathlib.Path) -> None:
+def native_profile(s: Setup, trainer: Trainer, seconds: float, path: pathlib.Path) -> None:
   """Graphed steps for `seconds` under py-spy (`profiling.sample_native`), the steps and
   executable calls that ran written to `path` with `.json`."""
   state = (jax.tree.map(jnp.copy, s.params), trainer.tx.init(s.params))
@@ -318,7 +312,7 @@ def native_profile(s: Setup, trainer: train.Trainer, seconds: float, path: pathl
 
   def advance() -> Any:
     nonlocal state
-    batches = train.step_batches(s.corpus, next(indices), trainer.microbatches)
+    batches = step_batches(s.corpus, next(indices), trainer.microbatches)
     state = trainer.step(*state, batches, s.positions)[:2]
     return state
 
@@ -352,7 +346,7 @@ def cpu_mhz() -> float | None:
   return statistics.mean(values) if values else None
 
 
-def long_run(s: Setup, trainer: train.Trainer, steps: int, every: int) -> list[dict[str, Any]]:
+def long_run(s: Setup, trainer: Trainer, steps: int, every: int) -> list[dict[str, Any]]:
   """Graphed steps from a fresh state; tokens/s and host enqueue per `every` steps, and the
   host's pure-Python speed (`spin_ms`) measured between them with the device idle."""
   microbatches = trainer.microbatches
@@ -363,7 +357,7 @@ def long_run(s: Setup, trainer: train.Trainer, steps: int, every: int) -> list[d
     begin, spent = time.perf_counter(), 0.0
     for i in range(start, start + every):
       mark = time.perf_counter()
-      state = trainer.step(*state, train.step_batches(s.corpus, i, microbatches),
+      state = trainer.step(*state, step_batches(s.corpus, i, microbatches),
                            s.positions)[:2]
       spent += time.perf_counter() - mark
     jax.block_until_ready(state)
@@ -383,7 +377,7 @@ DEFAULT_PACK = capture_lib.PACK_MAX_BYTES
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--preset", default="gpu", choices=sorted(train.PRESETS))
+  parser.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
   parser.add_argument("--flat", action="store_true")
   parser.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
   parser.add_argument("--rounds", type=int, default=5)

@@ -2,7 +2,7 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention, a SwiGLU MLP, tied or untied
 embeddings, residual dropout with call-time RNGs, fp32 params with bf16 compute, and a KV
-cache for generation. Nothing in this file knows about jaxgraph; `train.py` graphs it. The
+cache for generation. Nothing in this file knows about jaxgraph; `layers.py` graphs it. The
 only shape the model owes to graphing is one every NNX model already has: it is a list of
 parts (`Llama.embed`, `Llama.blocks`, `Llama.head`), each a module whose `__call__` takes
 arrays. See docs/llama.md.

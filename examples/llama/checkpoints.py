@@ -1,0 +1,88 @@
+"""What the run's checkpoints hold beside the state (examples/common.py's `Checkpoints`): the
+run's config and vocabulary (`metadata`), which --resume compares with this run's
+(`run_config`, `check_vocabulary`), and the loss history; `resume` restores a run."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import Any
+
+import vocabulary as vocab_lib
+from common import Checkpoints
+
+from .data import describe_vocabulary, load_vocabulary, vocabulary_record
+from .layers import Params
+from .presets import PRESETS, Preset
+from .trainer import Stepper
+
+
+def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
+  """What makes two runs the same run, by flag name: saved with every checkpoint, and
+  compared by --resume (how tokens/s is measured, --check, --offload and generation are left
+  out: they change no result). `fsdp`, `batch`, `context`, `text` and `vocab` are None where
+  not given (or given as the preset's), as in checkpoints written before those flags, which
+  therefore still resume. The vocabulary itself is compared by its digest
+  (`check_vocabulary`)."""
+  return {"preset": args.preset, "steps": preset.steps, "seed": args.seed,
+          "dropout": preset.dropout, "microbatches": preset.microbatches,
+          "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
+          "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
+          "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch,
+          "fuse": True if args.fuse else None,  # None when off, as before the flag
+          "context": args.context, "text": args.text, "vocab": args.vocab}
+
+
+def shown_config(config: dict[str, Any]) -> dict[str, Any]:
+  """What a `run_config` stands for, as --resume's refusal shows it: the preset's batch
+  where none was given, "off" for --fsdp and --fuse not given."""
+  preset = PRESETS.get(config.get("preset"))
+  return {**config, "batch": config.get("batch") or (preset.batch if preset else None),
+          "fsdp": config.get("fsdp") or "off", "fuse": config.get("fuse") or "off"}
+
+
+def check_vocabulary(parser: argparse.ArgumentParser, out: pathlib.Path, preset: Preset,
+                     cache: pathlib.Path) -> None:
+  """With --resume: refuses (`parser.error`) a checkpoint trained with another vocabulary
+  (tokenizer digest) than this run's, naming both. Checkpoints written before vocabularies
+  were recorded used the fables' characters."""
+  directory = out / "checkpoints"
+  latest = Checkpoints(directory).latest_meta() if directory.is_dir() else None
+  if latest is None:
+    return
+  saved = latest[1].get("vocabulary") or vocabulary_record(
+      vocab_lib.fables(), vocab_lib.Characters(vocab_lib.fables()))
+  ours = vocabulary_record(*load_vocabulary(preset, cache))
+  if saved["digest"] != ours["digest"]:
+    parser.error(f"--resume: the checkpoint in {directory} was trained with "
+                 f"{describe_vocabulary(saved)}; this run's vocabulary is "
+                 f"{describe_vocabulary(ours)}. Token ids mean other things under another "
+                 "vocabulary: resume where the checkpoint's text and tokenizer are (the same "
+                 f"Python for the standard library; its tokenizer file: "
+                 f"{saved.get('file', 'none, characters')}), or start a new run with another "
+                 "--out (or without --resume)")
+
+
+
+def metadata(args: argparse.Namespace, preset: Preset, vocabulary: dict[str, Any]
+             ) -> dict[str, Any]:
+  """What every checkpoint of the run saves beside its state and loss history: the run's
+  config and its vocabulary (`vocabulary_record`), which --resume compares."""
+  return {"config": run_config(args, preset), "vocabulary": vocabulary}
+
+
+def resume(checkpoints: Checkpoints, trainer: Stepper, params: Params, opt_state: Any
+           ) -> tuple[int, Params, Any, list[float], list[tuple[int, float]]]:
+  """--resume: the step, params, optimizer state, losses and (step, held-out loss) history
+  of the newest checkpoint that passes its digests, the trainer's key streams set to its;
+  step 0, the state given and no history when there is no checkpoint yet."""
+  first, losses, eval_losses = 0, [], []
+  restored = checkpoints.resume(params, opt_state, trainer.streams())
+  if restored is not None:
+    first, params, opt_state = restored.step, restored.params, restored.opt_state
+    trainer.seed(restored.streams)
+    losses = list(restored.meta["losses"])
+    eval_losses = [(step, loss) for step, loss in restored.meta["eval_losses"]]
+    assert len(losses) == first, f"step {first} holds {len(losses)} losses"
+    print(f"resumed from step {first} ({checkpoints.directory}, digests verified)")
+  return first, params, opt_state, losses, eval_losses

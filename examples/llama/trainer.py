@@ -1,0 +1,160 @@
+"""The graphed training step (`Trainer`): per microbatch the layers' forwards and backwards
+replayed, the grads accumulated, one AdamW update; the optimizer, and the held-out loss
+(`evaluate`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxgraph as jg
+from common import Corpus, Streams, stream_positions
+
+from .layers import Batches, Layer, Params, graphed, tied_inputs
+from .model import Config
+from .placement import Placement
+from .presets import Preset
+
+Grads = tuple[Params, jax.Array]  # summed grads and summed loss over the microbatches so far
+
+
+def accumulate(total: Grads, grads: Params, table_grads: Any, loss: jax.Array) -> Grads:
+  """Adds one microbatch's grads and loss; `table_grads` is the tied head's share of the
+  embedding's grads, shaped like them (None when it is already in `grads[0]`)."""
+  if table_grads is not None:
+    grads = [jax.tree.map(jnp.add, grads[0], table_grads), *grads[1:]]
+  return jax.tree.map(jnp.add, total, (grads, loss))
+
+
+def apply_update(tx: optax.GradientTransformation, microbatches: int, total: Grads,
+                 opt_state: Any, params: Params) -> tuple[Params, Any, jax.Array]:
+  """Averages the accumulated grads and loss over the microbatches; one optimizer update."""
+  grads, loss = jax.tree.map(lambda t: t / microbatches, total)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def decays(path: tuple[Any, ...]) -> bool:
+  """Weight decay on the matrices (kernels, the embedding table), not on the norm scales."""
+  return any(getattr(k, "key", None) in ("kernel", "embedding") for k in path)
+
+
+def decay_mask(params: Params) -> Params:
+  """`decays` per leaf of the params, or per buffer of FlatTree params (--flat)."""
+  if any(jg.flat.is_flat(p) for p in params):
+    return jg.flat.mask(params, lambda group: group == "decay")
+  return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
+
+
+def flat_group(path: tuple[Any, ...], leaf: jax.Array) -> str:
+  """--flat's buffers: "decay" and "no_decay" leaves apart, so that the AdamW mask is one
+  bool per buffer."""
+  return "decay" if decays(path) else "no_decay"
+
+
+def optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
+  warmup = max(1, steps // 20)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, preset.learning_rate, warmup, max(steps, warmup + 1), preset.learning_rate / 10)
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
+
+
+class Stepper(Protocol):
+  """A training step (`Trainer`: graphed; `WholeStep`: one jax.jit) with its key streams."""
+
+  microbatches: int
+
+  def step(self, params: Params, opt_state: Any, batches: Batches, positions: jax.Array
+           ) -> tuple[Params, Any, jax.Array]: ...
+
+  def streams(self) -> Streams: ...
+
+  def seed(self, streams: Streams) -> None: ...
+
+
+class Trainer:
+  """The graphed training step: forwards and backwards replayed per layer, accumulated over
+  the microbatches, one optimizer update (`step`)."""
+
+  def __init__(self, layers: Sequence[Layer], config: Config, tx: optax.GradientTransformation,
+               microbatches: int, params: Params, opt_state: Any,
+               placement: Placement | None = None, fuse: bool = False):
+    placement = self.placement = placement or Placement()
+    self.layers, self.config, self.tx, self.microbatches = layers, config, tx, microbatches
+    self.fuse = fuse  # the blocks' hook-free runs as one executable pair (docs/fusion.md)
+    self.one = placement.replicate(jnp.ones((), jnp.float32))  # the loss cotangent
+    # --fsdp: the summed grads, the params and the optimizer state keep their shardings
+    # (a params sharding that changed would be a new signature for every layer).
+    grads, state = placement.shardings(params), placement.shardings(opt_state)
+    scalar = placement.replicated
+    zeros = placement.jit(lambda params: (jax.tree.map(jnp.zeros_like, params),
+                                          jnp.zeros((), jnp.float32)),
+                          out_shardings=(grads, scalar))
+    # Compiled ahead like the layers, so the first step pays for no compile.
+    self.zeros = zeros.lower(params).compile()
+    total = jax.eval_shape(zeros, params)
+    table = total[0][0] if config.tie_embeddings else None  # shaped like the embedding's
+    self.accumulate = placement.jit(accumulate, donate_argnums=0, out_shardings=(grads, scalar)
+                                    ).lower(total, total[0], table, total[1]).compile()
+    # The summed grads' buffers become the new params (donating the params too would leave
+    # one of the two unused).
+    self.apply = placement.jit(functools.partial(apply_update, tx, microbatches),
+                               donate_argnums=(0, 1), out_shardings=(grads, state, scalar)
+                               ).lower(total, opt_state, params).compile()
+
+  def microbatch(self, params: Params, tokens: jax.Array, targets: jax.Array,
+                 positions: jax.Array) -> tuple[jax.Array, Params, jax.Array | None]:
+    """Graphed forwards, then graphed backwards in reverse: (loss, grads, table grad)."""
+    embed, blocks, head = self.layers[0], self.layers[1:-1], self.layers[-1]
+    x, embed_pullback = embed.vjp(params[0], tokens)
+    x, blocks_pullback = jg.sequential_vjp(blocks, params[1:-1], x, consts=(positions,),
+                                           fuse=self.fuse)
+    loss, head_pullback = head.vjp(params[-1], x, targets, *tied_inputs(params, self.config))
+    head_grads, x_grads, _, *tied_grads = head_pullback(self.one)
+    block_grads, x_grads = blocks_pullback(x_grads)
+    embed_grads, _ = embed_pullback(x_grads)
+    table_grads = tied_grads[0] if tied_grads else None
+    return loss, [embed_grads, *block_grads, head_grads], table_grads
+
+  def grads(self, params: Params, batches: Sequence[tuple[jax.Array, jax.Array]],
+            positions: jax.Array) -> Grads:
+    """The grads and loss summed over `batches` (one (tokens, targets) per microbatch)."""
+    total = self.zeros(params)
+    for tokens, targets in batches:
+      loss, grads, table_grads = self.microbatch(params, tokens, targets, positions)
+      total = self.accumulate(total, grads, table_grads, loss)
+    return total
+
+  def step(self, params: Params, opt_state: Any, batches: Sequence[tuple[jax.Array, jax.Array]],
+           positions: jax.Array) -> tuple[Params, Any, jax.Array]:
+    """One optimizer step over `batches`: (params, opt_state, mean loss)."""
+    return self.placement.wait(self.apply(self.grads(params, batches, positions), opt_state,
+                                          params))
+
+  def streams(self) -> Streams:
+    """The graphed layers' key-stream positions (for a checkpoint)."""
+    return stream_positions(graphed(self.layers))
+
+  def seed(self, streams: Streams) -> None:
+    """Sets the graphed layers' key streams (from a checkpoint)."""
+    for layer, (base, counter) in zip(graphed(self.layers), streams):
+      layer.seed(base, counter=counter)
+
+
+def evaluate(layers: Sequence[Layer], params: Params, config: Config, corpus: Corpus,
+             batches: int, positions: jax.Array) -> float:
+  """Mean held-out loss through the forward-only layers (no residuals are kept)."""
+  losses = []
+  for index in range(batches):
+    tokens, targets = corpus.eval_batch(index)
+    x = layers[0](params[0], tokens)
+    for layer, layer_params in zip(layers[1:-1], params[1:-1]):
+      x = layer(layer_params, x, positions)
+    losses.append(layers[-1](params[-1], x, targets, *tied_inputs(params, config)))
+  return float(jnp.mean(jnp.stack(losses)))
+
