@@ -239,3 +239,24 @@ def test_cpu_collective_deadlock_probe_reports_each_setting(run_script):
   for r in result["results"]:
     assert (r["finished"], r["aborted"], r["killed"], r["other"]) == (1, 0, 0, 0)
     assert r["copies"][0]["steps_dispatched"] == 3
+
+
+@pytest.mark.slow
+def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
+  """benchmarks/llama_fsdp.py runs a row per preset:N in fresh processes (one driving the N
+  devices, and N of one device each) and writes the record's lines: the facts of the run and
+  a row line per row and process layout, with the collectives of each executable."""
+  record = tmp_path / "fsdp.txt"
+  run = run_script("llama_fsdp.py", "--rows", "tiny:2", "--per-process", "--rounds", "1",
+                   "--round-steps", "1", "--out", str(tmp_path), "--record", str(record))
+  lines = record.read_text().splitlines()
+  assert [line.split(" ", 1)[0] for line in lines[:6]] == [
+      "commit", "device", "jax", "xla_flags", "date", "command"]
+  rows = [dict(field.split("=", 1) for field in line.split()[1:]) for line in lines[6:]]
+  assert [(row["n"], row["processes"]) for row in rows] == [("2", "1"), ("2", "2")]
+  for row in rows:
+    assert float(row["graphed"]) > 0 and float(row["whole"]) > 0
+    assert abs(float(row["ratio"]) - float(row["graphed"]) / float(row["whole"])) < 1e-3
+  found = json.loads((tmp_path / "llama_fsdp.json").read_text())
+  assert found[0]["collectives"]["Block[1] forward"] == {"all-gather f32": 1}  # bf16 on GPUs
+  assert "tiny:2" in run.stdout

@@ -1,0 +1,339 @@
+"""FSDP on several GPUs: the Llama example's graphed step against its sharded whole-step jit.
+
+  PYTHONPATH=. python3 benchmarks/llama_fsdp.py --rows gpu-1b:1 gpu-1b:2 gpu-1b:4 gpu:1 gpu:4 \\
+      --per-process --trace --record docs/results/fsdp-gpu.txt --out /tmp/fsdp     # 4 GPUs
+  JAX_PLATFORMS=cpu PYTHONPATH=. python3 benchmarks/llama_fsdp.py --rows tiny:1 tiny:2 \\
+      --per-process --rounds 1 --round-steps 1 --out /tmp/fsdp     # CPU smoke: N virtual devices
+
+A row `PRESET:N` is the example's preset weak-scaled to N devices: its batch times N, sharded
+over N devices with `--fsdp N` (N = 1: one device, no mesh), so every device has the one-device
+run's work. Each row runs in a fresh process driving its N devices, and with --per-process
+also as N processes of one device each (`jax.distributed` on 127.0.0.1, one GPU visible to
+each). In a row's process the example's own parts build the graphed step (`Trainer`) and the
+sharded whole-step `jax.jit` that `--check` compares it with (`WholeStep`, the same layer
+functions and shardings), from the same params; then:
+
+  memory: the graphed step's peak (`peak_bytes_in_use` after its warm-up steps, before the
+    whole step exists) and the whole step's planned peak (its executable's
+    `memory_analysis()`: arguments + outputs - aliased + temporaries), per device;
+  rate: `--rounds` rounds of `--round-steps` steps each, graphed and whole step alternating
+    after an untimed round each (the example's `throughput_rounds`, as `--check` times
+    them): tokens/s, median and spread ((max - min) / median);
+  collectives: per executable, the collectives of its compiled HLO by op and element type;
+  calls (GPU): host microseconds per call of a block's forward and of its pullback, in bursts
+    of 8 after a sync (fewer calls than the runtime lets in flight, so the host is not waiting
+    for the device);
+  trace (--trace, GPU): a profiler trace of `--trace-steps` steps of each, reduced per GPU to
+    step time, busy time, collective (NCCL) kernel time, the part of it under compute kernels
+    and the exposed rest.
+
+Prints a table and writes llama_fsdp.json to --out; --record writes the rows as
+docs/results/fsdp-gpu.txt's lines (commit, device, jax, XLA flags, date, command, one
+`row ...` line per row and process layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
+from benchmarks import profiling  # noqa: E402
+from llama import train  # noqa: E402
+from llama.data import step_batches  # noqa: E402
+from llama.fsdp_report import layer_executables  # noqa: E402
+from llama.layers import RESIDUAL_POLICIES, graphed  # noqa: E402
+from llama.memory import peak_bytes  # noqa: E402
+from llama.presets import PRESETS  # noqa: E402
+from llama.throughput import rate_summary, throughput_rounds  # noqa: E402
+from llama.whole_step import WholeStep  # noqa: E402
+
+COLLECTIVE = re.compile(r"(all-gather|reduce-scatter|all-reduce)(?:-start)?\(")
+SHAPE = re.compile(r"\b(bf16|f16|f32|f64|s32|u32|pred)\[")
+
+
+def collectives(compiled: Any) -> dict[str, int]:
+  """The collectives of a compiled executable's HLO, by op and element type (`all-gather
+  bf16`); an asynchronous pair counts once (its `-start`)."""
+  counts: dict[str, int] = {}
+  for line in compiled.as_text().splitlines():
+    found = COLLECTIVE.search(line)
+    if found is None or "=" not in line[:found.start()]:
+      continue
+    types = sorted(set(SHAPE.findall(line[line.index("=") + 1:found.start()])))
+    key = f"{found.group(1)} {'/'.join(types)}"
+    counts[key] = counts.get(key, 0) + 1
+  return counts
+
+
+def planned_peak(compiled: Any) -> int:
+  """Bytes per device an executable holds while it runs, as XLA planned them."""
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+
+
+def call_microseconds(trainer: Any, params: Any, corpus: Any, positions: Any) -> dict[str, float]:
+  """Host microseconds per call of the first block's forward (`vjp`) and of its pullback,
+  median over bursts of 8 calls, each burst after a sync."""
+  embed, block = trainer.layers[0], trainer.layers[1]
+  x, _ = embed.vjp(params[0], corpus.batch_at(0)[0])
+  forward, backward = [], []
+  for _ in range(3):
+    jax.block_until_ready(x)
+    begin = time.perf_counter()
+    outs = [block.vjp(params[1], x, positions) for _ in range(8)]
+    forward.append((time.perf_counter() - begin) / 8)
+    jax.block_until_ready([y for y, _ in outs])
+    begin = time.perf_counter()
+    grads = [pullback(y) for y, pullback in outs]
+    backward.append((time.perf_counter() - begin) / 8)
+    jax.block_until_ready(grads)
+  return {"block_forward_us": round(1e6 * statistics.median(forward), 1),
+          "block_backward_us": round(1e6 * statistics.median(backward), 1)}
+
+
+def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
+  """Per GPU and step (milliseconds): busy, NCCL kernels, their part under compute kernels,
+  the exposed rest; and the step's wall time."""
+  names = profiling.process_names(trace.events)
+  per_gpu: dict[str, dict[str, float]] = {}
+  for pid in sorted(profiling.gpu_processes(trace.events)):
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.events
+               if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e]
+    comm = sorted((a, b) for a, b, name in kernels if "nccl" in name.lower())
+    compute = sorted((a, b) for a, b, name in kernels if "nccl" not in name.lower()
+                     and profiling.kernel_kind(name) != "copy")
+    comm_us, compute_us = profiling.union_us(comm), profiling.union_us(compute)
+    busy_us = profiling.union_us(sorted(comm + compute))
+    hidden = comm_us + compute_us - busy_us
+    per_gpu[names.get(pid, str(pid))] = {
+        "busy_ms": round(busy_us / steps / 1e3, 3), "compute_ms": round(compute_us / steps / 1e3, 3),
+        "nccl_ms": round(comm_us / steps / 1e3, 3), "nccl_hidden_ms": round(hidden / steps / 1e3, 3),
+        "nccl_exposed_ms": round((comm_us - hidden) / steps / 1e3, 3)}
+  return {"step_ms": round(1e3 * trace.seconds / steps, 3), "gpus": per_gpu}
+
+
+def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
+  """One row in this process (or this process's part of it): builds both steps as the
+  example does and measures them."""
+  args = train.parse(argv)
+  preset = train.resolve(args)
+  mesh = train.fsdp_mesh(args.fsdp)
+  corpus, _ = train.load_text(args, preset, mesh)
+  model, fns, params, _ = train.build_model(args, preset, corpus)
+  policy = RESIDUAL_POLICIES[args.residuals]
+  params, placement = train.place(params, args.flat, mesh, model.config.compute_dtype)
+  captured = train.capture(args, preset, model.config, fns, params, placement, policy)
+  positions = captured.positions
+  tx, opt_state, trainer = train.make_step(args, preset, model.config, fns, params, placement,
+                                           corpus, captured, policy)
+  whole_start = placement.host((params, opt_state))
+  for step in range(preset.round_steps):  # the graphed step alone: its peak
+    params, opt_state, loss = trainer.step(params, opt_state,
+                                           step_batches(corpus, step, preset.microbatches),
+                                           positions)
+  jax.block_until_ready(loss)
+  result: dict[str, Any] = {"graphed_peak_bytes": peak_bytes()}
+  whole = WholeStep(fns, model.config, tx, preset.microbatches, trainer.streams(),
+                    not args.plain_ends, *placement.abstract(whole_start),
+                    step_batches(corpus, 0, preset.microbatches), positions, policy, placement)
+  whole_state = placement.put(whole_start)
+  del whole_start
+  result["whole_planned_peak_bytes"] = planned_peak(whole.compiled)
+  names: dict[int, str] = {}
+  found: dict[str, dict[str, int]] = {}
+  for layer in graphed(trainer.layers):
+    forward, backward = layer_executables(layer)
+    name = names.setdefault(id(forward), layer.name)
+    found[f"{name} forward"] = collectives(forward)
+    found[f"{name} backward"] = collectives(backward)
+  found["whole step"] = collectives(whole.compiled)
+  result["collectives"] = found
+  runs = {"graphed": [trainer, (params, opt_state)], "whole_step": [whole, whole_state]}
+  on_gpu = jax.devices()[0].platform == "gpu"
+  if on_gpu:
+    result["calls"] = call_microseconds(trainer, params, corpus, positions)
+  if options.trace and on_gpu:
+    result["trace"] = {}
+    for name, run in runs.items():
+      def steps(run: list[Any] = run) -> Any:
+        (params, opt_state), loss = run[1], None
+        for step in range(options.trace_steps):
+          params, opt_state, loss = run[0].step(
+              params, opt_state, step_batches(corpus, step, preset.microbatches), positions)
+        run[1] = params, opt_state  # the steps donate the state they are given
+        return loss
+      folder = (None if options.out is None else
+                str(options.out / "traces" / f"{name}-process{jax.process_index()}"))
+      jax.block_until_ready(run[1])
+      result["trace"][name] = trace_summary(profiling.record_trace(steps, folder),
+                                            options.trace_steps)
+  # last: the rounds consume both states
+  rates = throughput_rounds({name: tuple(run) for name, run in runs.items()}, corpus,
+                            positions, preset.microbatches, preset.rounds, preset.round_steps)
+  result["rates"] = {k: rate_summary(v, preset.round_steps) for k, v in rates.items()}
+  result["tokens_per_step"] = preset.microbatches * preset.batch * preset.context
+  return result
+
+
+def row_argv(preset: str, n: int, out: pathlib.Path, options: argparse.Namespace) -> list[str]:
+  """The example's flags for row `preset:n` (weak scaling: the preset's batch times n)."""
+  argv = ["--preset", preset, "--batch", str(PRESETS[preset].batch * n), "--out", str(out),
+          "--generate", "0", "--rounds", str(options.rounds),
+          "--round-steps", str(options.round_steps)]
+  return argv + (["--fsdp", str(n)] if n > 1 else [])
+
+
+def launch(preset: str, n: int, processes: int, options: argparse.Namespace) -> dict[str, Any]:
+  """Runs a row in fresh processes (`processes` = 1: one driving the n devices; n: one per
+  device, each seeing one GPU) and returns process 0's result."""
+  with tempfile.TemporaryDirectory() as scratch:
+    scratch = pathlib.Path(scratch)
+    result_path = scratch / "result.json"
+    base = [sys.executable, __file__, "--child", str(result_path),
+            *(["--trace", "--trace-steps", str(options.trace_steps)] if options.trace else []),
+            *(["--out", str(options.out / f"{preset}-{n}x{processes}")] if options.out else []),
+            "--"]
+    argv = row_argv(preset, n, scratch / "run", options)
+    # JAX_PLATFORMS=cpu: each process gets as many virtual CPU devices as it drives
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", "")).strip()
+    cpu = os.environ.get("JAX_PLATFORMS") == "cpu"
+
+    def env(devices: int, **more: str) -> dict[str, str]:
+      count = f" --xla_force_host_platform_device_count={devices}" if cpu else ""
+      return dict(os.environ, XLA_FLAGS=(flags + count).strip(), **more)
+
+    if processes == 1:
+      commands, envs = [base + argv], [env(n)]
+    else:
+      port = _free_port()
+      commands = [base + argv + ["--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                                 str(processes), "--process-id", str(i)]
+                  for i in range(processes)]
+      envs = [env(1, CUDA_VISIBLE_DEVICES=str(i)) for i in range(processes)]  # one GPU each
+    procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for c, e in zip(commands, envs)]
+    logs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs) or not result_path.exists():
+      tail = "\n".join(log[-3000:] for log in logs)
+      return {"error": f"exit codes {[p.returncode for p in procs]}", "log": tail}
+    return json.loads(result_path.read_text())
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def record_lines(rows: list[dict[str, Any]], command: str) -> list[str]:
+  """docs/results/fsdp-gpu.txt: the run's facts, then one line per row."""
+  commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+  device = jax.devices()[0]
+  lines = [f"commit {commit}",
+           f"device {jax.device_count()} x {getattr(device, 'device_kind', device.platform)}",
+           f"jax {jax.__version__}",
+           f"xla_flags {os.environ.get('XLA_FLAGS', '(none)')}",
+           f"date {datetime.date.today().isoformat()}",
+           f"command {command}"]
+  for row in rows:
+    if "error" in row:
+      lines.append(f"row preset={row['preset']} n={row['n']} processes={row['processes']} "
+                   f"error={row['error']!r}")
+      continue
+    graphed, whole = (row["rates"][k] for k in ("graphed", "whole_step"))
+    spread = max(graphed["spread_percent"] or 0, whole["spread_percent"] or 0)
+    peaks = (f" graphed_peak_gib={row['graphed_peak_bytes'] / 2**30:.2f}"
+             if row.get("graphed_peak_bytes") else "")
+    lines.append(
+        f"row preset={row['preset']} n={row['n']} graphed={graphed['median']:.0f} "
+        f"whole={whole['median']:.0f} ratio={graphed['median'] / whole['median']:.3f} "
+        f"spread={spread:.1f}% processes={row['processes']} rounds={len(graphed['rounds'])}"
+        f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}")
+  return lines
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+  out = [f"{'row':<14}{'procs':>6}{'graphed tok/s':>15}{'whole tok/s':>13}{'ratio':>7}"
+         f"{'spread':>8}  trace graphed / whole: step, exposed NCCL (ms, GPU 0)"]
+  for row in rows:
+    name = f"{row['preset']}:{row['n']}"
+    if "error" in row:
+      out.append(f"{name:<14}{row['processes']:>6}  {row['error']}")
+      continue
+    g, w = row["rates"]["graphed"], row["rates"]["whole_step"]
+    spread = max(g["spread_percent"] or 0, w["spread_percent"] or 0)
+    trace = ""
+    if "trace" in row:
+      first = {k: next(iter(v["gpus"].values()), {}) for k, v in row["trace"].items()}
+      trace = "  " + " / ".join(f"{row['trace'][k]['step_ms']:.1f}, "
+                                f"{first[k].get('nccl_exposed_ms', 0):.2f}"
+                                for k in ("graphed", "whole_step"))
+    out.append(f"{name:<14}{row['processes']:>6}{g['median']:>15,.0f}{w['median']:>13,.0f}"
+               f"{g['median'] / w['median']:>7.3f}{spread:>7.1f}%{trace}")
+  return "\n".join(out)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--rows", nargs="+", default=["gpu-1b:1", "gpu-1b:4"],
+                      help="PRESET:N, the preset weak-scaled to N devices")
+  parser.add_argument("--per-process", action="store_true",
+                      help="also run each row with N > 1 as N processes of one GPU each")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--round-steps", type=int, default=10)
+  parser.add_argument("--trace", action="store_true", help="profile steps of both (GPU)")
+  parser.add_argument("--trace-steps", type=int, default=3)
+  parser.add_argument("--record", type=pathlib.Path, help="write the rows here (fsdp-gpu.txt)")
+  parser.add_argument("--out", type=pathlib.Path, help="llama_fsdp.json and the traces")
+  parser.add_argument("--child", type=pathlib.Path, help=argparse.SUPPRESS)
+  options, rest = parser.parse_known_args()
+  if options.child is not None:  # one row's process: the example's flags after "--"
+    result = run_row(rest[rest.index("--") + 1:] if "--" in rest else rest, options)
+    if jax.process_index() == 0:
+      options.child.write_text(json.dumps(result))
+    return
+  rows = []
+  for spec in options.rows:
+    preset, n = spec.split(":")
+    layouts = [1] + ([int(n)] if options.per_process and int(n) > 1 else [])
+    for processes in layouts:
+      print(f"row {spec}, {processes} process(es) ...", flush=True)
+      row = {"preset": preset, "n": int(n), "processes": processes,
+             **launch(preset, int(n), processes, options)}
+      rows.append(row)
+      if "error" in row:
+        print(row["log"], flush=True)
+      if options.out is not None:
+        options.out.mkdir(parents=True, exist_ok=True)
+        (options.out / "llama_fsdp.json").write_text(json.dumps(rows, indent=1))
+  print(table(rows))
+  print(json.dumps(rows))
+  if options.record is not None:
+    command = "PYTHONPATH=. python3 benchmarks/llama_fsdp.py " + shlex.join(sys.argv[1:])
+    options.record.write_text("\n".join(record_lines(rows, command)) + "\n")
+    print(f"wrote {options.record}")
+
+
+if __name__ == "__main__":
+  main()
