@@ -76,14 +76,19 @@ class PageInterpreter:
     except OSError:  # it died before: the next check says how
       pass
     ready, _, _ = select.select([process.stdout], [], [], BLOCK_SECONDS)
-    answer = process.stdout.readline() if ready else ""
-    if answer:
-      return json.loads(answer)
-    if process.poll() is None:
+    if not ready:
       process.kill()
       process.wait()
       raise RuntimeError(f"the page's interpreter gave no answer in {BLOCK_SECONDS} s (stopped)."
                          f"{self._stderr_tail()}")
+    answer = process.stdout.readline()
+    if answer:
+      return json.loads(answer)
+    try:  # its stdout closed: it is exiting
+      process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
     raise RuntimeError(f"the page's interpreter exited with {process.returncode}."
                        f"{self._stderr_tail()}")
 
