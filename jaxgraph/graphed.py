@@ -340,7 +340,8 @@ class GraphedCallable:
       return None
     before = dataclasses.replace(self._counts)  # a copy: what this capture adds to it
     entry = self._capture(signature)
-    if captured and self._counts.captures > before.captures:  # compiled here: no cache hit
+    if (captured and self._counts.captures > before.captures  # compiled here: no cache hit
+        and logger.isEnabledFor(logging.WARNING)):
       self._log_new_signature(captured, signature,
                               self._counts.compile_seconds - before.compile_seconds)
     return entry
