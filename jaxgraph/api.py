@@ -207,7 +207,7 @@ def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
       event = hooks_lib.HookEvent(layer.index, "capture", 0, m, _abstract_tree(args))
       hooks_lib.fire(pre, "pre_forward", event, layer.name)
       try:
-        entry = layer._entry(signature)
+        entry = layer._entry(signature, sampled=True)
       except Exception as e:
         e.add_note(f"while capturing {layer.name} from sample_args[{layer.index}]")
         raise
@@ -672,7 +672,10 @@ def make_graphed(
     max_captures: signatures captured per callable; after that, calls with new signatures
       run through `jax.jit` (one warning).
     on_new_signature: "capture" (up to `max_captures`) or "error" (raise on any signature
-      that was not captured from `sample_args`).
+      that was not captured from `sample_args`). Either names the argument paths where the
+      signature differs from the closest one captured (shape, dtype, weak type, sharding):
+      "capture" in a WARNING on the `jaxgraph` logger (silence it with
+      `logging.getLogger("jaxgraph").setLevel(logging.ERROR)`), "error" in the `TypeError`.
     remat_policy: which intermediates the forward saves for the backward, as a
       `jax.checkpoint` policy; the others are recomputed inside the backward executable.
       None (the default) saves every residual `jax.vjp` keeps: bitwise `jax.vjp(fn)`.

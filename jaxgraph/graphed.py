@@ -11,6 +11,7 @@ fire in a phase `hooks.by_phase`'s.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import warnings
 from typing import Any, Callable, Literal, NamedTuple
@@ -28,6 +29,9 @@ from jaxgraph import signature as sig_lib
 from jaxgraph.pullback import Pullback  # by name: docs/api.md shows the type
 
 OnNewSignature = Literal["capture", "error"]
+
+# A capture after a callable's first says so here, at WARNING (docs/semantics.md#signatures).
+logger = logging.getLogger("jaxgraph")
 
 
 class Stats(NamedTuple):
@@ -310,18 +314,20 @@ class GraphedCallable:
     return pullback_lib.masked_vjp(lambda *a: self._call_traced(a, key), args,
                                    self._config.grad_mask)
 
-  def _entry(self, signature: sig_lib.Signature) -> capture_lib.Executables | None:
-    """The executables for `signature`: cached, captured now, or None (fallback)."""
+  def _entry(self, signature: sig_lib.Signature, *, sampled: bool = False
+             ) -> capture_lib.Executables | None:
+    """The executables for `signature`: cached, captured now, or None (fallback). `sampled`:
+    a signature of the sample_args, which make_graphed captures (neither an error nor a log)."""
     entry = self._entries.get(signature)
     if entry is not None:
       return entry
     config = self._config
-    if self._entries and config.on_new_signature == "error":
-      expected = next(iter(self._entries))
+    captured = [] if sampled else list(self._entries)
+    if captured and config.on_new_signature == "error":
       raise TypeError(
           f"{self.name} was called with a signature it did not capture "
-          "(on_new_signature='error'):\n" + sig_lib.describe_mismatch(expected, signature) +
-          "\nPass arguments like the sample_args, or build with on_new_signature='capture'.")
+          f"(on_new_signature='error'):\n{_new_signature(captured, signature)}\n"
+          "Pass arguments like the sample_args, or build with on_new_signature='capture'.")
     if len(self._entries) >= config.max_captures:
       if self._fallback is None:
         warnings.warn(
@@ -332,7 +338,26 @@ class GraphedCallable:
         self._fallback = jax.jit(flat_lib.unravelling(self._uncaptured_fn),
                                  donate_argnums=config.donate_argnums)
       return None
-    return self._capture(signature)
+    before = dataclasses.replace(self._counts)  # a copy: what this capture adds to it
+    entry = self._capture(signature)
+    if (captured and self._counts.captures > before.captures  # compiled here: no cache hit
+        and logger.isEnabledFor(logging.WARNING)):
+      self._log_new_signature(captured, signature,
+                              self._counts.compile_seconds - before.compile_seconds)
+    return entry
+
+  def _log_new_signature(self, captured: list[sig_lib.Signature],
+                         signature: sig_lib.Signature, seconds: float) -> None:
+    """Says on the `jaxgraph` logger that a signature after the first was captured: where it
+    differs from the closest one captured before, and what it cost."""
+    logger.warning(
+        "%s captured a new input signature (%d of max_captures=%d; compiled in %.2f s). It "
+        "differs from the closest one captured before:\n%s\nArguments like the "
+        "sample_args replay without compiling. make_graphed(..., on_new_signature='error') "
+        "raises here instead; a program that means to capture several signatures silences "
+        "this with logging.getLogger('jaxgraph').setLevel(logging.ERROR).",
+        self.name, len(self._entries), self._config.max_captures, seconds,
+        _new_signature(captured, signature))
 
   def _cache_key(self, signature: sig_lib.Signature) -> tuple[Any, ...]:
     return (self.fn, signature, self._offload.in_executables)
@@ -502,6 +527,19 @@ class GraphedCallable:
     if from_stream:
       self._stream.counter = self._stream.counter + jnp.uint32(1)
     return result
+
+
+def _new_signature(captured: list[sig_lib.Signature], signature: sig_lib.Signature) -> str:
+  """Where `signature` differs from the closest of the `captured` ones, and, where a sharding
+  changed, what that costs."""
+  closest = sig_lib.closest(captured, signature)
+  text = sig_lib.describe_mismatch(closest, signature)
+  if sig_lib.sharding_changed(closest, signature):
+    text += ("\nA sharding changed, and gradients come back placed like their arguments: "
+             "params that lost their FSDP sharding get replicated gradients. Keep the params' "
+             "shardings through the optimizer, e.g. jax.jit(update, "
+             "out_shardings=jaxgraph.fsdp.shardings(params, mesh)).")
+  return text
 
 
 class _Release:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -162,12 +162,16 @@ def leaf_paths(treedef: Any, prefix: str = "args") -> list[str]:
           for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
-def format_spec(spec: LeafSpec) -> str:
+def format_spec(spec: LeafSpec, *, placement: bool = False) -> str:
+  """`float32[8,16]`, with its weak type and sharding where it has them; `placement`: says
+  also where a leaf without a sharding is (where two specs differ in sharding)."""
   text = f"{spec.dtype}[{','.join(map(str, spec.shape))}]"
   if spec.weak_type:
     text += " (weakly typed: a Python scalar)"
   if spec.sharding is not None:
     text += f" with sharding {spec.sharding}"
+  elif placement:
+    text += " with no sharding (on the default device)"
   return text
 
 
@@ -183,10 +187,37 @@ def describe_mismatch(expected: Signature, got: Signature, prefix: str = "args")
   if expected.treedef != got.treedef:
     return (f"{prefix} has a different pytree structure: expected {expected.treedef}, "
             f"got {got.treedef}")
-  lines = [f"{path}: expected {format_spec(e)}, got {format_spec(g)}"
-           for path, e, g in zip(leaf_paths(got.treedef, prefix), expected.leaves, got.leaves)
-           if e != g]
+  lines = []
+  for path, e, g in zip(leaf_paths(got.treedef, prefix), expected.leaves, got.leaves):
+    if e != g:
+      placed = e.sharding != g.sharding  # then say where an unsharded leaf is
+      lines.append(f"{path}: expected {format_spec(e, placement=placed)}, "
+                   f"got {format_spec(g, placement=placed)}")
   if expected.default_device != got.default_device:
     lines.append(f"the default device (jax.default_device): expected "
                  f"{expected.default_device}, got {got.default_device}")
   return "\n".join(lines)
+
+
+def _distance(expected: Signature, got: Signature) -> tuple[int, int, int]:
+  """(another structure, leaves that differ, their fields that differ): lower is closer."""
+  if expected.treedef != got.treedef:
+    return 1, 0, 0
+  pairs = [(e, g) for e, g in zip(expected.leaves, got.leaves) if e != g]
+  device = expected.default_device != got.default_device
+  return 0, len(pairs) + device, sum(a != b for e, g in pairs for a, b in zip(e, g))
+
+
+def closest(captured: Iterable[Signature], got: Signature) -> Signature:
+  """Of the `captured` signatures, the one `got` differs from least: the fewest differing
+  leaves, then the fewest differing fields of them (shape, dtype, weak type, sharding);
+  another pytree structure counts as the most; the first of equals. Diffs name
+  what changed against it, as JAX's cache-miss explanations (`jax_explain_cache_misses`) diff
+  against the closest previous key."""
+  return min(captured, key=lambda signature: _distance(signature, got))
+
+
+def sharding_changed(expected: Signature, got: Signature) -> bool:
+  """Whether a leaf of `got` is placed otherwise than in `expected` (same structure)."""
+  return expected.treedef == got.treedef and any(
+      e.sharding != g.sharding for e, g in zip(expected.leaves, got.leaves))

@@ -1,15 +1,19 @@
 """The docs stay true: api.md is generated from the docstrings, links resolve, the README's
-example stays short. (The python blocks of README.md and docs/ run as tests: conftest.py.)"""
+example stays short, and a page's python blocks run as its reader runs them. (The python
+blocks of README.md and docs/ run as tests: conftest.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import re
+import textwrap
 import types
 
 import pytest
 from sybil import Document
+from sybil.example import SybilFailure
 from sybil.parsers.markdown import CodeBlockParser
 
 import jaxgraph
@@ -29,6 +33,107 @@ def _load_root_conftest():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def _run_page(text: str, directory: pathlib.Path, root_conftest=None) -> list[BaseException | None]:
+  """Runs a markdown page's blocks as the docs run does; per block, what it raised."""
+  root_conftest = root_conftest or _load_root_conftest()
+  page = directory / "page.md"
+  page.write_text(textwrap.dedent(text))
+  document = root_conftest.SYBIL.parse(page)
+  outcomes: list[BaseException | None] = []
+  try:
+    for example in document.examples():
+      try:
+        example.evaluate()
+        outcomes.append(None)
+      except BaseException as e:  # noqa: BLE001 - SybilFailure, or pytest's skip
+        outcomes.append(e)
+  finally:
+    root_conftest.SYBIL.teardown(document.namespace)
+  return outcomes
+
+
+def test_a_page_runs_in_a_fresh_interpreter_and_hidden_blocks_only_check(tmp_path):
+  """Visible blocks run in one new `python` per page, in the repository's root; a hidden
+  block sees what they made (and `printed`) but defines nothing a later block can read."""
+  outcomes = _run_page(f"""
+      ```python
+      import os, sys
+      print("made", 1)
+      shown = 1
+      ```
+
+      <!-- invisible-code-block: python
+      assert printed == "made 1\\n" and shown == 1
+      assert os.getpid() != {os.getpid()} and os.getcwd() == {str(ROOT)!r}
+      assert "jax" not in sys.modules and "models" not in sys.modules   # nothing of the suite's
+      import json
+      secret = shown + 1
+      -->
+
+      ```python
+      print(shown)
+      ```
+
+      ```python
+      json
+      ```
+
+      ```python
+      secret
+      ```
+      """, tmp_path)
+  assert outcomes[:3] == [None, None, None], outcomes
+  for outcome, name in zip(outcomes[3:], ["json", "secret"]):
+    assert isinstance(outcome, SybilFailure)
+    assert f"NameError: name '{name}' is not defined" in str(outcome)
+    assert "page.md\", line" in str(outcome)   # the traceback names the page's line
+
+
+def test_skip_conditions_read_the_page_names(tmp_path):
+  outcomes = _run_page("""
+      ```python
+      devices = 1
+      ```
+
+      <!-- skip: next if(devices < 2, reason="needs 2 devices") -->
+
+      ```python
+      raise AssertionError("skipped")
+      ```
+
+      <!-- skip: next if(devices > 2) -->
+
+      ```python
+      ran = True
+      ```
+
+      <!-- skip: next if(undefined_name) -->
+      """, tmp_path)
+  assert outcomes[0] is None
+  assert isinstance(outcomes[2], pytest.skip.Exception) and "needs 2 devices" in str(outcomes[2])
+  assert outcomes[3:5] == [None, None]
+  assert "NameError: name 'undefined_name'" in str(outcomes[5])
+
+
+def test_a_page_interpreter_that_dies_or_hangs_fails_its_block(tmp_path):
+  root_conftest = _load_root_conftest()
+  died, = _run_page("""
+      ```python
+      import os
+      os._exit(3)
+      ```
+      """, tmp_path, root_conftest)
+  assert isinstance(died, RuntimeError) and "exited with 3" in str(died)
+  root_conftest.BLOCK_SECONDS = 1   # the block sleeps for 60
+  hung, = _run_page("""
+      ```python
+      import time
+      time.sleep(60)
+      ```
+      """, tmp_path, root_conftest)
+  assert isinstance(hung, RuntimeError) and "no answer in 1 s (stopped)" in str(hung)
 
 
 def test_docs_run_stops_where_xdist_would_not_keep_a_page_together(monkeypatch):

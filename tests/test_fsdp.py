@@ -7,6 +7,7 @@ The 8 devices are the default backend's when it has 8, else the CPU backend's 8 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import re
@@ -223,17 +224,29 @@ def test_residuals_hold_no_gathered_weights(mesh, one_layer, graphed_layer):
 
 @pytest.mark.devices(8)
 @pytest.mark.parametrize("on_new_signature", ["error", "capture"])
-def test_replay_with_another_sharding(mesh, one_layer, on_new_signature):
+def test_replay_with_another_sharding(mesh, one_layer, on_new_signature, caplog):
+  """Params that lost their FSDP sharding: the error, or the recapture's log, shows both
+  shardings and says what the new one costs."""
+  caplog.set_level(logging.WARNING, logger="jaxgraph")
   params, x = one_layer
   layer = jg.make_graphed(fsdp_worker.fsdp_block(mesh), sample_args=one_layer,
                           num_warmup_iters=0, on_new_signature=on_new_signature)
   replicated = jax.device_put(params, NamedSharding(mesh, P()))
+  changed = (r"args\[0\]\['w1'\]: expected float32\[\d+,\d+\] with sharding NamedSharding\("
+             r".*spec=(P|PartitionSpec)\([^)]*'fsdp'[^)]*\).*, got float32\[\d+,\d+\] with sharding "
+             r"NamedSharding\(.*spec=(P|PartitionSpec)\(\).*\n[\s\S]*replicated gradients")
   if on_new_signature == "error":
-    with pytest.raises(TypeError, match=r"args\[0\]\['w1'\]: expected .* with sharding"):
+    with pytest.raises(TypeError, match=changed):
       layer(replicated, x)
+    with pytest.raises(TypeError, match=r"got float32\[\d+,\d+\] with no sharding \(on the "
+                                        r"default device\)"):
+      layer(jax.device_get(params), x)   # fetched to the host
+    assert [r for r in caplog.records if r.name == "jaxgraph"] == []
     return
   y = layer(replicated, x)
   assert layer.stats.captures == 2
+  message, = [r.getMessage() for r in caplog.records if r.name == "jaxgraph"]
+  assert re.search(changed, message), message
   assert np.array_equal(y, layer(params, x))
   y, pullback = layer.vjp(replicated, x)
   grads, _ = pullback(jnp.ones_like(y))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import logging
+import re
 import warnings
 
 import jax
@@ -186,6 +188,57 @@ def test_new_signature_captured_then_fallback_with_one_warning():
   y_ref, vjp_ref = jax.vjp(jax.jit(mlp), params, jnp.ones((T + 3, D)))
   assert trees_equal(y, y_ref) and trees_equal(grads, vjp_ref(jnp.ones_like(y_ref)))
   assert g.stats.fallbacks == 2 and g.stats.captures == 2
+
+
+def _logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+  """The messages of the records on the `jaxgraph` logger."""
+  return [r.getMessage() for r in caplog.records if r.name == "jaxgraph"]
+
+
+def test_a_capture_after_the_first_logs_what_changed(caplog):
+  """A new batch size: one WARNING on the `jaxgraph` logger naming the callable and the leaf
+  that changed against the closest signature captured before. The first capture, replays
+  and an identical callable's cache hit log nothing."""
+  caplog.set_level(logging.WARNING, logger="jaxgraph")
+  params = init_mlp(jax.random.key(0), D, H)
+  layers = jg.make_graphed([mlp] * 2, sample_args=[(params, jnp.ones((T, D)))] * 2)
+  layers[0](params, jnp.ones((T, D)))
+  assert _logged(caplog) == []
+  half = jnp.ones((T // 2, D))
+  layers[0](params, half)
+  layers[0](params, half)     # replayed
+  layers[1](params, half)     # served by layer 0's capture: nothing compiles
+  assert [layer.stats.captures for layer in layers] == [2, 0]
+  message, = _logged(caplog)
+  assert [r.levelno for r in caplog.records if r.name == "jaxgraph"] == [logging.WARNING]
+  assert re.match(r"mlp\[0\] captured a new input signature \(2 of max_captures=8; compiled "
+                  r"in \d+\.\d\d s\)\. It differs from the closest one captured before:\n"
+                  r"args\[1\]: expected float32\[8,16\], got float32\[4,16\]\n", message), message
+  assert "on_new_signature='error'" in message and "setLevel(logging.ERROR)" in message
+  layers[0](params, half.astype(jnp.bfloat16))   # closest: the batch of 4, not of 8
+  assert "\nargs[1]: expected float32[4,16], got bfloat16[4,16]\n" in _logged(caplog)[-1]
+
+
+def test_the_recapture_log_is_silenced_by_the_loggers_level(caplog):
+  caplog.set_level(logging.ERROR, logger="jaxgraph")   # what a program that means it does
+  params = init_mlp(jax.random.key(0), D, H)
+  g = jg.make_graphed(mlp, sample_args=(params, jnp.ones((T, D))), num_warmup_iters=0)
+  g(params, jnp.ones((T // 2, D)))
+  assert g.stats.captures == 2 and _logged(caplog) == []
+
+
+def test_sample_args_of_several_signatures_neither_log_nor_raise(caplog):
+  """With `order`, sample_args may give each microbatch its own signature: make_graphed
+  captures them all, also with on_new_signature="error", and says nothing."""
+  caplog.set_level(logging.WARNING, logger="jaxgraph")
+  params = init_mlp(jax.random.key(0), D, H)
+  samples = [(params, jnp.ones((T, D))), (params, jnp.ones((T // 2, D)))]  # microbatch 0, 1
+  layer, = jg.make_graphed([mlp], sample_args=samples, order=[1, 1, -1, -1],
+                           on_new_signature="error")
+  assert layer.stats.captures == 2 and _logged(caplog) == []
+  assert trees_equal(layer(params, jnp.ones((T // 2, D))), jax.jit(mlp)(*samples[1]))
+  with pytest.raises(TypeError, match=r"expected float32\[4,16\], got bfloat16\[4,16\]"):
+    layer(params, jnp.ones((T // 2, D), jnp.bfloat16))   # against the closest one captured
 
 
 def test_shape_dtype_struct_sample_args():
