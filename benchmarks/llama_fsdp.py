@@ -244,10 +244,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def record_lines(rows: list[dict[str, Any]], command: str) -> list[str]:
+def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -> list[str]:
   """docs/results/fsdp-gpu.txt: the run's facts, then one line per row."""
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip() or "unknown"
+  if commit is None:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
   device = jax.devices()[0]
   lines = [f"commit {commit}",
            f"device {jax.device_count()} x {getattr(device, 'device_kind', device.platform)}",
@@ -305,6 +306,8 @@ def main() -> None:
   parser.add_argument("--trace", action="store_true", help="profile steps of both (GPU)")
   parser.add_argument("--trace-steps", type=int, default=3)
   parser.add_argument("--record", type=pathlib.Path, help="write the rows here (fsdp-gpu.txt)")
+  parser.add_argument("--commit", help="the commit measured, for the record (default: the "
+                      "checkout's HEAD; a copied tree's .git may be stale)")
   parser.add_argument("--out", type=pathlib.Path, help="llama_fsdp.json and the traces")
   parser.add_argument("--child", type=pathlib.Path, help=argparse.SUPPRESS)
   options, rest = parser.parse_known_args()
@@ -331,7 +334,7 @@ def main() -> None:
   print(json.dumps(rows))
   if options.record is not None:
     command = "PYTHONPATH=. python3 benchmarks/llama_fsdp.py " + shlex.join(sys.argv[1:])
-    options.record.write_text("\n".join(record_lines(rows, command)) + "\n")
+    options.record.write_text("\n".join(record_lines(rows, command, options.commit)) + "\n")
     print(f"wrote {options.record}")
 
 
