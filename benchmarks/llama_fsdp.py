@@ -193,15 +193,18 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
   return result
 
 
-def row_argv(preset: str, n: int, out: pathlib.Path, options: argparse.Namespace) -> list[str]:
-  """The example's flags for row `preset:n` (weak scaling: the preset's batch times n)."""
+def row_argv(preset: str, n: int, flags: str, out: pathlib.Path, options: argparse.Namespace
+             ) -> list[str]:
+  """The example's flags for row `preset:n` (weak scaling: the preset's batch times n) and
+  the variant's `flags`."""
   argv = ["--preset", preset, "--batch", str(PRESETS[preset].batch * n), "--out", str(out),
           "--generate", "0", "--rounds", str(options.rounds),
-          "--round-steps", str(options.round_steps)]
+          "--round-steps", str(options.round_steps), *shlex.split(flags)]
   return argv + (["--fsdp", str(n)] if n > 1 else [])
 
 
-def launch(preset: str, n: int, processes: int, options: argparse.Namespace) -> dict[str, Any]:
+def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Namespace
+           ) -> dict[str, Any]:
   """Runs a row in fresh processes (`processes` = 1: one driving the n devices; n: one per
   device, each seeing one GPU) and returns process 0's result."""
   with tempfile.TemporaryDirectory() as scratch:
@@ -209,9 +212,10 @@ def launch(preset: str, n: int, processes: int, options: argparse.Namespace) -> 
     result_path = scratch / "result.json"
     base = [sys.executable, __file__, "--child", str(result_path),
             *(["--trace", "--trace-steps", str(options.trace_steps)] if options.trace else []),
-            *(["--out", str(options.out / f"{preset}-{n}x{processes}")] if options.out else []),
+            *(["--out", str(options.out / f"{preset}-{n}x{processes}{_slug(flags)}")]
+              if options.out else []),
             "--"]
-    argv = row_argv(preset, n, scratch / "run", options)
+    argv = row_argv(preset, n, flags, scratch / "run", options)
     # JAX_PLATFORMS=cpu: each process gets as many virtual CPU devices as it drives
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    os.environ.get("XLA_FLAGS", "")).strip()
@@ -238,6 +242,10 @@ def launch(preset: str, n: int, processes: int, options: argparse.Namespace) -> 
     return json.loads(result_path.read_text())
 
 
+def _slug(flags: str) -> str:
+  return re.sub(r"[^A-Za-z0-9]+", "-", flags).rstrip("-")
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -259,7 +267,7 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
   for row in rows:
     if "error" in row:
       lines.append(f"row preset={row['preset']} n={row['n']} processes={row['processes']} "
-                   f"error={row['error']!r}")
+                   f"flags={row['flags'].replace(' ', '_') or '-'} error={row['error']!r}")
       continue
     graphed, whole = (row["rates"][k] for k in ("graphed", "whole_step"))
     spread = max(graphed["spread_percent"] or 0, whole["spread_percent"] or 0)
@@ -268,18 +276,19 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
     lines.append(
         f"row preset={row['preset']} n={row['n']} graphed={graphed['median']:.0f} "
         f"whole={whole['median']:.0f} ratio={graphed['median'] / whole['median']:.3f} "
-        f"spread={spread:.1f}% processes={row['processes']} rounds={len(graphed['rounds'])}"
+        f"spread={spread:.1f}% processes={row['processes']} "
+        f"flags={row['flags'].replace(' ', '_') or '-'} rounds={len(graphed['rounds'])}"
         f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}")
   return lines
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-  out = [f"{'row':<14}{'procs':>6}{'graphed tok/s':>15}{'whole tok/s':>13}{'ratio':>7}"
+  out = [f"{'row':<22}{'procs':>6}{'graphed tok/s':>15}{'whole tok/s':>13}{'ratio':>7}"
          f"{'spread':>8}  trace graphed / whole: step, exposed NCCL (ms, GPU 0)"]
   for row in rows:
-    name = f"{row['preset']}:{row['n']}"
+    name = f"{row['preset']}:{row['n']} {row['flags']}".strip()
     if "error" in row:
-      out.append(f"{name:<14}{row['processes']:>6}  {row['error']}")
+      out.append(f"{name:<22}{row['processes']:>6}  {row['error']}")
       continue
     g, w = row["rates"]["graphed"], row["rates"]["whole_step"]
     spread = max(g["spread_percent"] or 0, w["spread_percent"] or 0)
@@ -289,7 +298,7 @@ def table(rows: list[dict[str, Any]]) -> str:
       trace = "  " + " / ".join(f"{row['trace'][k]['step_ms']:.1f}, "
                                 f"{first[k].get('nccl_exposed_ms', 0):.2f}"
                                 for k in ("graphed", "whole_step"))
-    out.append(f"{name:<14}{row['processes']:>6}{g['median']:>15,.0f}{w['median']:>13,.0f}"
+    out.append(f"{name:<22}{row['processes']:>6}{g['median']:>15,.0f}{w['median']:>13,.0f}"
                f"{g['median'] / w['median']:>7.3f}{spread:>7.1f}%{trace}")
   return "\n".join(out)
 
@@ -299,6 +308,9 @@ def main() -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--rows", nargs="+", default=["gpu-1b:1", "gpu-1b:4"],
                       help="PRESET:N, the preset weak-scaled to N devices")
+  parser.add_argument("--flags", nargs="+", default=[""],
+                      help="variants: the example's extra flags per run of each row, e.g. "
+                           "'' '--fuse 4' (the first for every row; the record names them)")
   parser.add_argument("--per-process", action="store_true",
                       help="also run each row with N > 1 as N processes of one GPU each")
   parser.add_argument("--rounds", type=int, default=3)
@@ -320,16 +332,19 @@ def main() -> None:
   for spec in options.rows:
     preset, n = spec.split(":")
     layouts = [1] + ([int(n)] if options.per_process and int(n) > 1 else [])
-    for processes in layouts:
-      print(f"row {spec}, {processes} process(es) ...", flush=True)
-      row = {"preset": preset, "n": int(n), "processes": processes,
-             **launch(preset, int(n), processes, options)}
-      rows.append(row)
-      if "error" in row:
-        print(row["log"], flush=True)
-      if options.out is not None:
-        options.out.mkdir(parents=True, exist_ok=True)
-        (options.out / "llama_fsdp.json").write_text(json.dumps(rows, indent=1))
+    for flags in options.flags:
+      for processes in layouts:
+        print(f"row {spec} {flags}, {processes} process(es) ...", flush=True)
+        begin = time.perf_counter()
+        row = {"preset": preset, "n": int(n), "flags": flags, "processes": processes,
+               **launch(preset, int(n), flags, processes, options)}
+        row["seconds"] = round(time.perf_counter() - begin, 1)
+        rows.append(row)
+        if "error" in row:
+          print(row["log"], flush=True)
+        if options.out is not None:
+          options.out.mkdir(parents=True, exist_ok=True)
+          (options.out / "llama_fsdp.json").write_text(json.dumps(rows, indent=1))
   print(table(rows))
   print(json.dumps(rows))
   if options.record is not None:

@@ -504,18 +504,22 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
 
 
 def loaded_copy(compiled: Any) -> Any:
-  """A second loaded instance of `compiled` (the same binary; no compile), or `compiled`
-  itself where the backend cannot serialize it or it spans several devices.
+  """A second loaded instance of `compiled` (the same binary; no compile), on the same
+  devices in the same order, or `compiled` itself where the backend cannot serialize it.
 
   XLA's GPU command buffers remember the buffer addresses they were recorded with, per
   loaded executable, and re-record their kernel nodes when a call passes other buffers. One
   executable replayed by 12 layers sees 12 sets of parameter buffers in turn and re-records
-  on every call; a copy per layer sees the same buffers step after step.
+  on every call; a copy per layer sees the same buffers step after step. So it goes for an
+  executable over several devices (FSDP), on each of them.
   """
-  devices = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
-  if len(devices) != 1:
+  shardings = jax.tree.leaves(compiled.input_shardings)
+  if not shardings:
     return compiled
-  if (next(iter(devices)).platform == "cpu" and jax.config.jax_enable_compilation_cache
+  # The executable's device assignment: its inputs' devices in the order it was compiled for
+  # (a mesh's order), which the copy must keep.
+  devices = list(shardings[0]._device_assignment)
+  if (devices[0].platform == "cpu" and jax.config.jax_enable_compilation_cache
       and jax.config.jax_compilation_cache_dir):
     # XLA:CPU (jax 0.10.2): a copy of an executable the persistent compilation cache served
     # fails when called ("Function ... not found"); on the CPU a copy gains nothing anyway.
@@ -523,8 +527,8 @@ def loaded_copy(compiled: Any) -> Any:
   try:
     payload, in_tree, out_tree = serialize_executable.serialize(compiled)
     return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                     backend=next(iter(devices)).client,
-                                                     execution_devices=list(devices))
+                                                     backend=devices[0].client,
+                                                     execution_devices=devices)
   except (ValueError, NotImplementedError, RuntimeError):  # not serializable here
     return compiled
 

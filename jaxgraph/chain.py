@@ -58,7 +58,7 @@ class SequentialPullback:
 
 def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any, *,
                    consts: tuple[Any, ...] = (), keys: Sequence[jax.Array] | None = None,
-                   fuse: bool = False) -> tuple[Any, SequentialPullback]:
+                   fuse: bool | int = False) -> tuple[Any, SequentialPullback]:
   """Chains `x = layer(params, x, *consts)` through a stack; returns `(y, pullback)`.
 
   Args:
@@ -78,7 +78,11 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       (identical runs share it): a host boundary only where a hook needs one. The same
       keys and counters as unfused, and the same math: each layer under its own
       `remat_policy`, and an optimization barrier between layers, so that XLA fuses
-      nothing across them (the fused executables run the per-layer kernels).
+      nothing across them (the fused executables run the per-layer kernels). An int `k`
+      cuts the runs into segments of at most `k` layers (identical segments share one
+      compile): the compile stays one segment's, the host calls fall `k`-fold, and inside a
+      segment XLA's scheduler can overlap a layer's FSDP all-gather with the layer before's
+      compute. `fuse=1` is unfused.
 
   Returns:
     `(y, pullback)` with `pullback(ct) -> (grads_list, g_x)`: `grads_list[i]` is the gradient
@@ -98,8 +102,14 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
                       "GraphedCallable; build the stack with jaxgraph.make_graphed.")
     layer._require_backward(f"sequential_vjp (layers[{i}])")
   pullback_lib.check_carry(layers, params_list, x, *consts, where="sequential_vjp")
-  runs = (fusion_lib.plan(layers) if fuse
-          else [(i, i + 1) for i in range(len(layers))])
+  if isinstance(fuse, bool):
+    longest = None if fuse else 1
+  elif isinstance(fuse, int) and fuse >= 1:
+    longest = fuse
+  else:
+    raise TypeError(f"sequential_vjp takes fuse= a bool, or an int >= 1 (the longest fused "
+                    f"run, in layers), got {fuse!r}.")
+  runs = fusion_lib.plan(layers, longest)
   steps = []
   for lo, hi in runs:
     fused = None

@@ -70,14 +70,17 @@ def fusable(layer: graphed_lib.GraphedCallable) -> bool:
           and not layer._config.delay_wgrad)
 
 
-def plan(layers: Sequence[graphed_lib.GraphedCallable]) -> list[tuple[int, int]]:
+def plan(layers: Sequence[graphed_lib.GraphedCallable], longest: int | None = None
+         ) -> list[tuple[int, int]]:
   """`[lo, hi)` runs of `layers`: maximal runs of fusable layers from one `make_graphed`
   call with the same offload setting, each layer at most once in a run (a repeated layer
-  draws a new key per call); every other layer is a run of its own."""
+  draws a new key per call), of at most `longest` layers (None: no bound); every other
+  layer is a run of its own."""
   runs: list[tuple[int, int]] = []
   members: set[graphed_lib.GraphedCallable] = set()  # of the last run
   for i, layer in enumerate(layers):
     if (runs and layer not in members and fusable(layer)
+        and (longest is None or runs[-1][1] - runs[-1][0] < longest)
         and _joins(layers[runs[-1][0]], layer)):
       runs[-1] = (runs[-1][0], i + 1)
       members.add(layer)

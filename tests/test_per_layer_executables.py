@@ -4,6 +4,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src import compilation_cache
 
@@ -141,14 +142,20 @@ def test_reset_then_replay_captures_and_copies_again():
 
 
 @pytest.mark.devices(2)
-def test_an_executable_on_several_devices_is_shared_not_copied():
-  mesh = jax.sharding.Mesh(devices_for(2)[:2], ("data",))
+def test_an_executable_on_several_devices_is_copied_on_them_in_its_order():
+  """An FSDP layer's executable spans the mesh: its copy runs on the same devices, in the
+  order the mesh gave them (here not the devices' own), with the same shardings."""
+  devices = devices_for(4)[:4]
+  mesh = jax.sharding.Mesh(np.array([devices[2], devices[0], devices[3], devices[1]]), ("data",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  x = jax.device_put(jnp.ones((4, D)), sharding)
-  compiled = jax.jit(lambda v: v * 2).lower(x).compile()
-  assert capture_lib.loaded_copy(compiled) is compiled
-  single = jax.jit(lambda v: v * 2).lower(jnp.ones((4, D))).compile()
-  copy = capture_lib.loaded_copy(single)
-  assert copy is not single
-  assert trees_equal(copy(jnp.arange(4 * D, dtype=jnp.float32).reshape(4, D)),
-                     single(jnp.arange(4 * D, dtype=jnp.float32).reshape(4, D)))
+  x = jax.device_put(jnp.arange(4 * D, dtype=jnp.float32).reshape(4, D), sharding)
+  # a cumulative sum over the sharded axis: a device order mixed up would show in the values
+  compiled = jax.jit(lambda v: v * 2 + jnp.cumsum(v, axis=0)).lower(x).compile()
+  copy = capture_lib.loaded_copy(compiled)
+  assert copy is not compiled
+  assert copy.input_shardings == compiled.input_shardings
+  assert copy.output_shardings == compiled.output_shardings
+  out, expected = copy(x), compiled(x)
+  assert out.sharding == expected.sharding
+  assert trees_equal(out, expected)
+  assert trees_equal(out, jnp.asarray(x) * 2 + jnp.cumsum(jnp.asarray(x), axis=0))

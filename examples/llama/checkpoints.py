@@ -29,7 +29,7 @@ def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
           "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
           "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch,
-          "fuse": True if args.fuse else None,  # None when off, as before the flag
+          "fuse": args.fuse,  # None when off, True for whole runs, K for segments
           "context": args.context, "text": args.text, "vocab": args.vocab}
 
 

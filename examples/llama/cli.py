@@ -35,6 +35,17 @@ def vocab_size(text: str) -> int:
   return size
 
 
+def fuse_length(text: str) -> int:
+  """--fuse K: the longest fused segment, in blocks (at least 1)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"takes a number of blocks, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"takes a number of blocks >= 1, got {value}")
+  return value
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
   """The flags, checked before anything is built or removed (argparse errors), and with
   --resume against the checkpoint's step and config."""
@@ -64,10 +75,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                       help="each part's params as flat buffers (jg.flat.ravel), one per "
                            "(decay group, dtype): fewer leaves per executable call (default; "
                            "--no-flat: pytrees)")
-  parser.add_argument("--fuse", action="store_true",
+  parser.add_argument("--fuse", nargs="?", const=True, type=fuse_length, metavar="K",
                       help="replay the blocks as one forward and one backward executable per "
-                           "microbatch (sequential_vjp(..., fuse=True)): fewer host calls, the "
-                           "same kernels; the fused pair compiles on the first step")
+                           "microbatch (sequential_vjp(..., fuse=True)), or with K as "
+                           "segments of at most K blocks (fuse=K: the compile stays one "
+                           "segment's; with --fsdp a block's all-gather can run under the "
+                           "block before): fewer host calls, the same kernels; the fused "
+                           "executables compile on the first step")
   parser.add_argument("--residuals", choices=sorted(RESIDUAL_POLICIES), default="recompute",
                       help="what a graphed forward keeps for its backward: 'recompute' (default: "
                            "jaxgraph.residuals.recompute_elementwise, the whole step's device "

@@ -216,7 +216,7 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
           f"{trainer.compile_seconds:.1f} s)")
   else:
     trainer = Trainer(captured.train, config, tx, preset.microbatches, params, opt_state,
-                      placement, fuse=args.fuse)
+                      placement, fuse=args.fuse or False)
   return tx, opt_state, trainer
 
 

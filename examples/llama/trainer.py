@@ -83,10 +83,11 @@ class Trainer:
 
   def __init__(self, layers: Sequence[Layer], config: Config, tx: optax.GradientTransformation,
                microbatches: int, params: Params, opt_state: Any,
-               placement: Placement | None = None, fuse: bool = False):
+               placement: Placement | None = None, fuse: bool | int = False):
     placement = self.placement = placement or Placement()
     self.layers, self.config, self.tx, self.microbatches = layers, config, tx, microbatches
-    self.fuse = fuse  # the blocks' hook-free runs as one executable pair (docs/fusion.md)
+    self.fuse = fuse  # the blocks' hook-free runs (of at most `fuse` blocks) as one
+    # executable pair each (docs/fusion.md)
     self.one = placement.replicate(jnp.ones((), jnp.float32))  # the loss cotangent
     # --fsdp: the summed grads, the params and the optimizer state keep their shardings
     # (a params sharding that changed would be a new signature for every layer).
