@@ -605,6 +605,8 @@ def test_metrics_json_is_written_atomically(common, tmp_path, monkeypatch):
     (["--round-steps", "0"], "--round-steps takes a number >= 1"),
     (["--whole-step", "--check"], "with --whole-step there is no graphed step"),
     (["--whole-step", "--fuse"], "with --whole-step there are no graphed blocks"),
+    (["--fuse", "0"], "--fuse: takes a number of blocks >= 1, got 0"),
+    (["--fuse", "two"], "--fuse: takes a number of blocks, got 'two'"),
     (["--dtype", "float32", "--attention", "cudnn"], "pass --attention xla"),
     (["--batch", "0"], "--batch takes a number >= 1"),
     (["--fsdp", "0"], "--fsdp takes a number of devices >= 1"),
@@ -628,7 +630,8 @@ def test_metrics_json_is_written_atomically(common, tmp_path, monkeypatch):
     (["--offload", "all", "--fuse"], "--fuse replays the blocks as one executable"),
     (["--offload", "slowdown=5%", "--fsdp", "2"], "--fsdp shards the blocks over devices"),
 ], ids=["seed", "dropout", "negative_dropout", "generate", "temperature", "rounds",
-        "round_steps", "whole_step_check", "whole_step_fuse", "cudnn_float32", "batch", "fsdp_zero", "fsdp_batch",
+        "round_steps", "whole_step_check", "whole_step_fuse", "fuse_zero", "fuse_word",
+        "cudnn_float32", "batch", "fsdp_zero", "fsdp_batch",
         "fsdp_no_flat", "fsdp_devices", "coordinator_alone", "processes_without_fsdp",
         "process_id", "context", "vocab", "offload_spelling", "offload_unit",
         "offload_slowdown", "offload_whole_step", "offload_fuse", "offload_fsdp"])
