@@ -1,14 +1,16 @@
 """FSDP on several GPUs: the Llama example's graphed step against its sharded whole-step jit.
 
   PYTHONPATH=. python3 benchmarks/llama_fsdp.py --rows gpu-1b:1 gpu-1b:2 gpu-1b:4 gpu:1 gpu:4 \\
-      --per-process --trace --record docs/results/fsdp-gpu.txt --out /tmp/fsdp     # 4 GPUs
+      'gpu-1b:4:--fuse 4' --per-process --trace --record docs/results/fsdp-gpu.txt \\
+      --out /tmp/fsdp                                                              # 4 GPUs
   JAX_PLATFORMS=cpu PYTHONPATH=. python3 benchmarks/llama_fsdp.py --rows tiny:1 tiny:2 \\
       --per-process --rounds 1 --round-steps 1 --out /tmp/fsdp     # CPU smoke: N virtual devices
 
-A row `PRESET:N` is the example's preset weak-scaled to N devices: its batch times N, sharded
-over N devices with `--fsdp N` (N = 1: one device, no mesh), so every device has the one-device
-run's work. Each row runs in a fresh process driving its N devices, and with --per-process
-also as N processes of one device each (`jax.distributed` on 127.0.0.1, one GPU visible to
+A row `PRESET:N[:FLAGS]` is the example's preset weak-scaled to N devices: its batch times N,
+sharded over N devices with `--fsdp N` (N = 1: one device, no mesh), so every device has the
+one-device run's work, with the example's extra FLAGS (`--fuse 4`). Each row runs in a fresh
+process driving its N devices (with --gpus G, rows that fit in G GPUs together run at once,
+each on GPUs of its own), and with --per-process also as N processes of one device each (`jax.distributed` on 127.0.0.1, one GPU visible to
 each). In a row's process the example's own parts build the graphed step (`Trainer`) and the
 sharded whole-step `jax.jit` that `--check` compares it with (`WholeStep`, the same layer
 functions and shardings), from the same params; then:
@@ -47,7 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from concurrent import futures
+from typing import Any, Sequence
 
 import jax
 
@@ -203,10 +206,11 @@ def row_argv(preset: str, n: int, flags: str, out: pathlib.Path, options: argpar
   return argv + (["--fsdp", str(n)] if n > 1 else [])
 
 
-def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Namespace
-           ) -> dict[str, Any]:
+def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Namespace,
+           gpus: Sequence[int] | None = None) -> dict[str, Any]:
   """Runs a row in fresh processes (`processes` = 1: one driving the n devices; n: one per
-  device, each seeing one GPU) and returns process 0's result."""
+  device, each seeing one GPU) and returns process 0's result. `gpus`: the GPUs it may see
+  (None: all, from the first)."""
   with tempfile.TemporaryDirectory() as scratch:
     scratch = pathlib.Path(scratch)
     result_path = scratch / "result.json"
@@ -221,18 +225,23 @@ def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Na
                    os.environ.get("XLA_FLAGS", "")).strip()
     cpu = os.environ.get("JAX_PLATFORMS") == "cpu"
 
-    def env(devices: int, **more: str) -> dict[str, str]:
-      count = f" --xla_force_host_platform_device_count={devices}" if cpu else ""
-      return dict(os.environ, XLA_FLAGS=(flags + count).strip(), **more)
+    def env(visible: Sequence[int]) -> dict[str, str]:
+      if cpu:
+        count = f" --xla_force_host_platform_device_count={len(visible)}"
+        return dict(os.environ, XLA_FLAGS=(flags + count).strip())
+      if gpus is None and len(visible) == n:
+        return dict(os.environ)
+      return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, visible)))
 
+    visible = list(range(n)) if gpus is None else list(gpus)
     if processes == 1:
-      commands, envs = [base + argv], [env(n)]
+      commands, envs = [base + argv], [env(visible)]
     else:
       port = _free_port()
       commands = [base + argv + ["--coordinator", f"127.0.0.1:{port}", "--num-processes",
                                  str(processes), "--process-id", str(i)]
                   for i in range(processes)]
-      envs = [env(1, CUDA_VISIBLE_DEVICES=str(i)) for i in range(processes)]  # one GPU each
+      envs = [env([gpu]) for gpu in visible]  # one GPU each
     procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for c, e in zip(commands, envs)]
     logs = [p.communicate()[0] for p in procs]
@@ -250,6 +259,36 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def waves(runs: list[tuple[str, str, int]], gpus: int | None
+          ) -> list[list[tuple[str, str, int, list[int] | None]]]:
+  """The runs in order, packed into waves that fit `gpus` GPUs together (each run with its
+  GPUs); without `gpus`, one run a wave on every GPU."""
+  if gpus is None:
+    return [[(*run, None)] for run in runs]
+  out: list[list[tuple[str, str, int, list[int] | None]]] = []
+  free = 0
+  for spec, flags, processes in runs:
+    n = int(spec.split(":")[1])
+    if not out or free + n > gpus:
+      out.append([])
+      free = 0
+    out[-1].append((spec, flags, processes, list(range(free, free + n))))
+    free += n
+  return out
+
+
+def measure(spec: str, flags: str, processes: int, gpus: list[int] | None, beside: int,
+            options: argparse.Namespace) -> dict[str, Any]:
+  """One run of row `spec` with `flags`: its result, named, with its wall seconds."""
+  preset, n = spec.split(":")
+  print(f"row {spec} {flags}, {processes} process(es), GPUs {gpus or 'all'} ...", flush=True)
+  begin = time.perf_counter()
+  row = {"preset": preset, "n": int(n), "flags": flags, "processes": processes,
+         "concurrent": beside, **launch(preset, int(n), flags, processes, options, gpus)}
+  row["seconds"] = round(time.perf_counter() - begin, 1)
+  return row
 
 
 def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -> list[str]:
@@ -277,7 +316,8 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
         f"row preset={row['preset']} n={row['n']} graphed={graphed['median']:.0f} "
         f"whole={whole['median']:.0f} ratio={graphed['median'] / whole['median']:.3f} "
         f"spread={spread:.1f}% processes={row['processes']} "
-        f"flags={row['flags'].replace(' ', '_') or '-'} rounds={len(graphed['rounds'])}"
+        f"flags={row['flags'].replace(' ', '_') or '-'} concurrent={row['concurrent']} "
+        f"rounds={len(graphed['rounds'])}"
         f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}")
   return lines
 
@@ -307,12 +347,13 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--rows", nargs="+", default=["gpu-1b:1", "gpu-1b:4"],
-                      help="PRESET:N, the preset weak-scaled to N devices")
-  parser.add_argument("--flags", nargs="+", default=[""],
-                      help="variants: the example's extra flags per run of each row, e.g. "
-                           "'' '--fuse 4' (the first for every row; the record names them)")
+                      help="PRESET:N[:FLAGS], the preset weak-scaled to N devices, with the "
+                           "example's extra FLAGS (e.g. 'gpu-1b:4:--fuse 4')")
   parser.add_argument("--per-process", action="store_true",
                       help="also run each row with N > 1 as N processes of one GPU each")
+  parser.add_argument("--gpus", type=int,
+                      help="run rows at once where their GPUs fit in this many (each row on "
+                           "GPUs of its own; the record says how many ran together)")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--round-steps", type=int, default=10)
   parser.add_argument("--trace", action="store_true", help="profile steps of both (GPU)")
@@ -328,23 +369,23 @@ def main() -> None:
     if jax.process_index() == 0:
       options.child.write_text(json.dumps(result))
     return
-  rows = []
+  runs = []
   for spec in options.rows:
-    preset, n = spec.split(":")
-    layouts = [1] + ([int(n)] if options.per_process and int(n) > 1 else [])
-    for flags in options.flags:
-      for processes in layouts:
-        print(f"row {spec} {flags}, {processes} process(es) ...", flush=True)
-        begin = time.perf_counter()
-        row = {"preset": preset, "n": int(n), "flags": flags, "processes": processes,
-               **launch(preset, int(n), flags, processes, options)}
-        row["seconds"] = round(time.perf_counter() - begin, 1)
-        rows.append(row)
-        if "error" in row:
-          print(row["log"], flush=True)
-        if options.out is not None:
-          options.out.mkdir(parents=True, exist_ok=True)
-          (options.out / "llama_fsdp.json").write_text(json.dumps(rows, indent=1))
+    preset, n, *flags = spec.split(":", 2)
+    for processes in [1] + ([int(n)] if options.per_process and int(n) > 1 else []):
+      runs.append((f"{preset}:{n}", flags[0] if flags else "", processes))
+  rows = []
+  for wave in waves(runs, options.gpus):
+    # a wave's runs at once, each on GPUs of its own
+    with futures.ThreadPoolExecutor(len(wave)) as pool:
+      done = list(pool.map(lambda run: measure(*run, len(wave), options), wave))
+    rows.extend(done)
+    for row in done:
+      if "error" in row:
+        print(row["log"], flush=True)
+    if options.out is not None:
+      options.out.mkdir(parents=True, exist_ok=True)
+      (options.out / "llama_fsdp.json").write_text(json.dumps(rows, indent=1))
   print(table(rows))
   print(json.dumps(rows))
   if options.record is not None:

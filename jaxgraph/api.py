@@ -713,8 +713,8 @@ def make_graphed(
       executable shared by 12 layers re-records on every call, a copy per layer sees its
       own parameter buffers step after step (at small sizes on an H100: 43% less host time
       and 28% less step time, docs/performance.md). None (the default): on where the
-      default backend is a GPU. Executables spanning several devices (sharded) are shared
-      as before.
+      default backend is a GPU. An executable spanning several devices (FSDP) is copied
+      on the same devices, in its device order.
 
   Returns:
     One `GraphedCallable` for a single callable, else a tuple of them.

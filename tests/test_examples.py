@@ -667,6 +667,18 @@ def test_llama_resume_checks_the_checkpoints_step_and_config(llama, common, caps
       "--steps", "40", "--residuals", "all")
   llama.cli.parse([*run, "--steps", "40", "--batch", "8"])  # the tiny preset's: the same run
   llama.cli.parse([*run, "--steps", "40", "--rounds", "7"])  # measured otherwise: the same run
+  # An --fsdp checkpoint of buffers in the earlier layout (saved as "fsdp": N) holds the same
+  # shapes in another order: refused, not resumed into scrambled weights.
+  fsdp_run = [*run, "--steps", "40", "--fsdp", "1"]
+  fsdp_args = llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "new"), "--steps",
+                               "40", "--fsdp", "1"])
+  sharded = llama.checkpoints.run_config(fsdp_args, llama.presets.resolve(fsdp_args))
+  common.Checkpoints(tmp_path / "checkpoints").save(31, *_state(1.0),
+                                                    {"config": {**sharded, "fsdp": 1}})
+  assert ("--fsdp 1 (the checkpoint's run: 1, its flat buffers in the layout before "
+          "jg.flat.split's)") in refused(*fsdp_run[len(run):])
+  common.Checkpoints(tmp_path / "checkpoints").save(32, *_state(1.0), {"config": sharded})
+  llama.cli.parse(fsdp_run)  # this layout: the same run
 
 
 # ------------------------------------------------------------ --out: nothing deleted, faults

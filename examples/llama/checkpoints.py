@@ -17,28 +17,43 @@ from .presets import PRESETS, Preset
 from .trainer import Stepper
 
 
+# How --fsdp lays out the flat buffers (jg.fsdp.shard: jg.flat.split, a piece of every
+# weight in each device's part), saved with the run's config.
+FSDP_LAYOUT = "split"
+
+
 def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
   """What makes two runs the same run, by flag name: saved with every checkpoint, and
   compared by --resume (how tokens/s is measured, --check, --offload and generation are left
   out: they change no result). `fsdp`, `batch`, `context`, `text` and `vocab` are None where
   not given (or given as the preset's), as in checkpoints written before those flags, which
-  therefore still resume. The vocabulary itself is compared by its digest
-  (`check_vocabulary`)."""
+  therefore still resume. With --fsdp the flat buffers' layout is saved beside N: a
+  checkpoint of buffers in another layout holds the same shapes in another order, and must
+  not resume. The vocabulary itself is compared by its digest (`check_vocabulary`)."""
   return {"preset": args.preset, "steps": preset.steps, "seed": args.seed,
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
           "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
-          "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch,
+          "whole_step": args.whole_step,
+          "fsdp": {"devices": args.fsdp, "layout": FSDP_LAYOUT} if args.fsdp else None,
+          "batch": args.batch,
           "fuse": args.fuse,  # None when off, True for whole runs, K for segments
           "context": args.context, "text": args.text, "vocab": args.vocab}
 
 
 def shown_config(config: dict[str, Any]) -> dict[str, Any]:
   """What a `run_config` stands for, as --resume's refusal shows it: the preset's batch
-  where none was given, "off" for --fsdp and --fuse not given."""
+  where none was given, "off" for --fsdp and --fuse not given, N for --fsdp N (and the
+  layout where it is not this one's)."""
   preset = PRESETS.get(config.get("preset"))
+  fsdp = config.get("fsdp") or "off"
+  if isinstance(fsdp, int):  # saved before the layout was: the buffers padded at their ends
+    fsdp = f"{fsdp}, its flat buffers in the layout before jg.flat.split's"
+  elif isinstance(fsdp, dict):
+    fsdp = (f"{fsdp['devices']}" if fsdp.get("layout") == FSDP_LAYOUT
+            else f"{fsdp['devices']}, its flat buffers in the layout {fsdp.get('layout')!r}")
   return {**config, "batch": config.get("batch") or (preset.batch if preset else None),
-          "fsdp": config.get("fsdp") or "off", "fuse": config.get("fuse") or "off"}
+          "fsdp": fsdp, "fuse": config.get("fuse") or "off"}
 
 
 def check_vocabulary(parser: argparse.ArgumentParser, out: pathlib.Path, preset: Preset,
