@@ -193,6 +193,8 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
                             positions, preset.microbatches, preset.rounds, preset.round_steps)
   result["rates"] = {k: rate_summary(v, preset.round_steps) for k, v in rates.items()}
   result["tokens_per_step"] = preset.microbatches * preset.batch * preset.context
+  device = jax.devices()[0]
+  result["device_kind"] = getattr(device, "device_kind", device.platform)
   return result
 
 
@@ -296,9 +298,12 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
   if commit is None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-  device = jax.devices()[0]
+  # from the rows' processes: the parent never starts a backend (on GPUs it would take their
+  # memory from the rows' processes)
+  kinds = sorted({row["device_kind"] for row in rows if "device_kind" in row})
   lines = [f"commit {commit}",
-           f"device {jax.device_count()} x {getattr(device, 'device_kind', device.platform)}",
+           f"device {', '.join(kinds) or 'unknown'}, rows on up to "
+           f"{max((row['n'] for row in rows), default=0)} of them",
            f"jax {jax.__version__}",
            f"xla_flags {os.environ.get('XLA_FLAGS', '(none)')}",
            f"date {datetime.date.today().isoformat()}",
@@ -383,14 +388,16 @@ def main() -> None:
     for row in done:
       if "error" in row:
         print(row["log"], flush=True)
+    # after every wave: a run cut short keeps the rows done
     if options.out is not None:
       options.out.mkdir(parents=True, exist_ok=True)
       (options.out / "llama_fsdp.json").write_text(json.dumps(rows, indent=1))
+    if options.record is not None:
+      command = "PYTHONPATH=. python3 benchmarks/llama_fsdp.py " + shlex.join(sys.argv[1:])
+      options.record.write_text("\n".join(record_lines(rows, command, options.commit)) + "\n")
   print(table(rows))
   print(json.dumps(rows))
   if options.record is not None:
-    command = "PYTHONPATH=. python3 benchmarks/llama_fsdp.py " + shlex.join(sys.argv[1:])
-    options.record.write_text("\n".join(record_lines(rows, command, options.commit)) + "\n")
     print(f"wrote {options.record}")
 
 

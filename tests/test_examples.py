@@ -341,7 +341,8 @@ def test_llama_fsdp_shards_the_state_and_matches_the_whole_step(fsdp_run):
   out, metrics, log = fsdp_run
   assert "sharded over 8 cpu devices of 1 process(es)" in log
   report = metrics["fsdp"]
-  assert report["devices"] == 8 and metrics["config"]["fsdp"] == 8
+  assert report["devices"] == 8
+  assert metrics["config"]["fsdp"] == {"devices": 8, "layout": "split"}
   arrays = report["arrays"]
   # Every array of the state spans the 8 devices: a buffer of 1024 elements or more is split
   # in 8 (fsdp.shard padded it to a multiple of 8), a smaller one (norm scales) replicated.
