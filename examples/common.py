@@ -19,6 +19,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+import traceback
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, NoReturn, Sequence
@@ -46,7 +47,26 @@ def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentPar
   parser.add_argument("--fresh", action="store_true",
                       help="start a new run in an --out that holds an earlier one: its "
                            "checkpoints and outputs are moved to OUT/earlier-N/ (kept)")
+  parser.add_argument("--keep-checkpoints", type=int, default=KEEP, metavar="N",
+                      help=f"how many of the newest checkpoint steps to keep (default: {KEEP}; "
+                           "an older step is deleted when a newer one is saved)")
   return parser
+
+
+# The checkpoint steps a run keeps by default (--keep-checkpoints).
+KEEP = 2
+
+
+def check_steps(parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int) -> None:
+  """--stop-after and --keep-checkpoints against the run's `steps` (argparse errors): a
+  --stop-after past the last step would stop nowhere."""
+  if args.stop_after is not None and args.stop_after > steps:
+    parser.error(f"--stop-after {args.stop_after} is past the run's last step (--steps "
+                 f"{steps}): pass a --stop-after of at most {steps}, or leave it out to train "
+                 "every step")
+  if args.keep_checkpoints < 1:
+    parser.error(f"--keep-checkpoints takes a number >= 1 (a resume needs a step to resume "
+                 f"from), got {args.keep_checkpoints}")
 
 
 # What a run writes in --out, each moved aside together by --fresh.
@@ -243,10 +263,11 @@ class Checkpoints:
 
   @classmethod
   def for_run(cls, out: pathlib.Path, *, fresh: bool, command: str,
-              host: Callable[[Any], Any] | None = None) -> "Checkpoints":
-    """The checkpoints of a run writing to `out` (`check_out` checked it); with `fresh`, an
-    earlier run's outputs are moved aside first (by process 0, the others wait for it).
-    `command` continues the run: messages about a failed write name it."""
+              host: Callable[[Any], Any] | None = None, keep: int = KEEP) -> "Checkpoints":
+    """The checkpoints of a run writing to `out` (`check_out` checked it), the newest `keep`
+    steps kept; with `fresh`, an earlier run's outputs are moved aside first (by process 0,
+    the others wait for it). `command` continues the run: messages about a failed write
+    name it."""
     if fresh and jax.process_index() == 0:
       moved = move_aside(out)
       if moved is not None:
@@ -254,20 +275,31 @@ class Checkpoints:
               "--resume continues it; delete it when you no longer need it)")
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("examples.common.Checkpoints.for_run")
-    return cls(out / "checkpoints", host=host, command=command)
+    return cls(out / "checkpoints", host=host, command=command, keep=keep)
 
   def __init__(self, directory: pathlib.Path, *, host: Callable[[Any], Any] | None = None,
-               command: str | None = None):
+               command: str | None = None, keep: int = KEEP):
     self.directory = directory.absolute()
     self._host = host or (lambda tree: tree)
     self.command = command
+    self.keep = keep
     self.rejected = self.directory.parent / "checkpoints-rejected"
+    _quiet_closed_loops()  # before the first read or write: a failure's stragglers print late
     self._open()
 
   def _open(self) -> None:
-    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, enable_async_checkpointing=False))
+    # The item handlers named: `item_metadata` then reads the saved arrays' shapes.
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=self.keep, enable_async_checkpointing=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
     self.saved = self.manager.latest_step()  # the newest step on disk
+
+  def kept(self) -> str:
+    """What the run keeps, for its last line: `the newest 2 steps kept (--keep-checkpoints)`."""
+    return (f"the newest {self.keep} step{'s' * (self.keep > 1)} kept (--keep-checkpoints N "
+            "keeps more)")
 
   def _stop(self, failed: str, error: BaseException) -> NoReturn:
     """Ends the run with one message (below the progress bar, closed first): what could not
@@ -307,6 +339,7 @@ class Checkpoints:
     state's digests, in one Orbax step."""
     tree = self._tree(params, opt_state, streams)
     meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
+    meta[META_DIGEST] = meta_digest(meta)
     try:
       with _orbax_errors_held():
         saved = self.manager.save(step, args=ocp.args.Composite(
@@ -321,15 +354,45 @@ class Checkpoints:
     self.saved = step
 
   def latest_meta(self) -> tuple[int, dict[str, Any]] | None:
-    """The newest step whose metadata reads, and that metadata (arrays not read or checked:
-    `restore` does that); None if there is none."""
+    """The newest step whose metadata reads and matches its digest, and that metadata
+    (arrays not read or checked: `restore` does that); None if there is none."""
     for step in sorted(self.manager.all_steps(), reverse=True):
-      try:
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return step, dict(meta["meta"])
-      except Exception:  # unreadable: `restore` names it and falls back
-        continue
-    return None
+      meta = self._meta(step)
+      if isinstance(meta, dict):
+        return step, meta
+    return None  # unreadable or damaged: `restore` names each and falls back
+
+  def _meta(self, step: int) -> dict[str, Any] | str:
+    """Step `step`'s metadata, checked against its digest; or what is wrong with it."""
+    try:
+      with _orbax_errors_held():
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))
+      meta = dict(restored["meta"])
+    except Exception as e:  # JSON, a missing item: one line is enough
+      return f"cannot be read ({_reason(e)})"
+    saved = meta.get(META_DIGEST)  # None: written before metadata digests, read as it is
+    if saved is not None and saved != meta_digest(meta):
+      return ("has metadata that does not match its digest (its config, loss history or "
+              "array digests were changed after the save)")
+    return meta
+
+  def intact(self, step: int) -> bool:
+    """Whether step `step` reads and matches its digests, without a target of its structure
+    (the arrays' digests compared as a set): for a look before the model is built. Only
+    for a run of one process."""
+    meta = self._meta(step)
+    if not isinstance(meta, dict) or not isinstance(meta.get("digests"), dict):
+      return False
+    try:
+      with _orbax_errors_held():
+        saved = self.manager.item_metadata(step)["state"]
+        host = jax.tree.map(lambda leaf: np.empty(leaf.shape, np.dtype(leaf.dtype)), saved)
+        state = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(host)))["state"]
+    except Exception:
+      return False
+    return sorted(tree_digests(state).values()) == sorted(meta["digests"].values())
 
   def resume(self, params: Any, opt_state: Any, streams: Streams) -> Restored | None:
     """`--resume`: `restore`, saying so when there is nothing to resume from; exits with one
@@ -364,24 +427,39 @@ class Checkpoints:
         return found
       failures.append((step, found))
     if failures:
+      shapes = all("other shapes" in problem for _, problem in failures)
       raise NoCheckpoint(f"no checkpoint in {self.directory} restores intact: "
                          + "; ".join(f"step {step} {problem}" for step, problem in failures)
-                         + ". The steps are left in place: start afresh with --fresh "
-                         "instead of --resume (they are moved aside, not deleted)")
+                         + ". The steps are left in place: "
+                         + ("resume with the model (code, preset and flags) that saved them, "
+                            "or " if shapes else "")
+                         + "start afresh with --fresh instead of --resume (they are moved "
+                         "aside, not deleted)")
     return None
 
   def _check(self, step: int, target: dict[str, Any]) -> Restored | str:
-    """Step `step` restored and verified, or what is wrong with it."""
-    try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    except Exception as e:  # tensorstore, JSON, missing items: one line is enough
-      _quiet_closed_loops()
-      return f"cannot be read ({_reason(e)})"
-    state, meta = restored["state"], dict(restored["meta"])
+    """Step `step` restored and verified, or what is wrong with it: its metadata first (its
+    digest, the history it holds), the arrays' shapes against `target`'s, then the arrays
+    read and hashed."""
+    meta = self._meta(step)
+    if isinstance(meta, str):
+      return meta
     expected = meta.get("digests")
     if not isinstance(expected, dict):
       return "has no digests (written by an older version of this example?)"
+    losses = meta.get("losses")
+    if isinstance(losses, list) and len(losses) != step:
+      return f"has metadata holding {len(losses)} training losses for its {step} steps"
+    other = self._other_shapes(step, target)
+    if other is not None:
+      return other
+    try:
+      with _orbax_errors_held():
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))
+    except Exception as e:  # tensorstore, missing items: one line is enough
+      return f"cannot be read ({_reason(e)})"
+    state = restored["state"]
     found = tree_digests(self._host(state))
     bad = sorted(path for path in expected.keys() | found.keys()
                  if expected.get(path) != found.get(path))
@@ -391,6 +469,28 @@ class Checkpoints:
     streams = [(jax.random.wrap_key_data(s["key"]), int(s["counter"]))
                for s in state["streams"]]
     return Restored(step, state["params"], state["opt_state"], streams, meta)
+
+  def _other_shapes(self, step: int, target: dict[str, Any]) -> str | None:
+    """What differs between the arrays step `step` holds and `target`'s, where both hold the
+    same arrays (by path) of other shapes or dtypes: a model of another shape (width,
+    hidden, heads) than the one that saved it. None where they agree, or where the saved
+    shapes cannot be read or the paths differ (the read then says what is wrong)."""
+    try:
+      with _orbax_errors_held():
+        saved = _shapes(self.manager.item_metadata(step)["state"])
+    except Exception:
+      return None
+    ours = _shapes(target)
+    if saved.keys() != ours.keys():
+      return None
+    differ = [path for path in sorted(ours) if saved[path] != ours[path]]
+    if not differ:
+      return None
+    shown = "; ".join(f"{_show_path(path)} is {_show_shape(saved[path])} there, "
+                      f"{_show_shape(ours[path])} here" for path in differ[:2])
+    more = f" (and {len(differ) - 2} more)" if len(differ) > 2 else ""
+    return (f"holds arrays of other shapes than this run's model: {shown}{more}; it was saved "
+            "by a model of another shape (width, hidden, heads or vocabulary)")
 
   def _reject(self, step: int) -> pathlib.Path:
     """Moves step `step` out of the checkpoint directory; returns where to."""
@@ -413,12 +513,50 @@ def _reason(error: BaseException) -> str:
   return f"{type(error).__name__}: {first}"
 
 
+# The key of a step's metadata that holds the sha256 of the rest of it (`meta_digest`).
+META_DIGEST = "meta_sha256"
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+  """sha256 of a step's metadata without its own digest, as JSON with sorted keys: what it
+  reads back as (tuples become lists; floats round-trip exactly through JSON)."""
+  rest = {key: value for key, value in meta.items() if key != META_DIGEST}
+  return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+  """(shape, dtype) of every array of `tree` by its path, each key by its name: Orbax's
+  metadata holds a named tuple's fields and a Variable's value as dict entries."""
+  def name(key: Any) -> str:
+    for attribute in ("key", "name", "idx"):
+      if hasattr(key, attribute):
+        return str(getattr(key, attribute))
+    return str(key)
+
+  found = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      found[tuple(name(key) for key in path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+  return found
+
+
+def _show_path(path: tuple[str, ...]) -> str:
+  return "".join(f"[{part}]" if part.isdigit() else f"['{part}']" for part in path)
+
+
+def _show_shape(found: tuple[tuple[int, ...], str]) -> str:
+  shape, dtype = found
+  return f"{dtype}{list(shape)}"
+
+
 def _quiet_closed_loops() -> None:
   """After an Orbax read or write failed part-way: its other tensorstore reads and writes
   finish later and call back into the event loop Orbax ran them in, closed by then, and
   each prints a "RuntimeError: Event loop is closed" traceback (through
-  `sys.unraisablehook`), as do its coroutines never awaited when the interpreter exits.
-  Drops those; any other unraisable exception goes on to the hook set before."""
+  `sys.unraisablehook`), as do its coroutines never awaited when the interpreter exits,
+  and asyncio logs the futures of its failed writes ("Future exception was never
+  retrieved") when they are collected. Drops those (the failure's own message names the
+  reason); any other unraisable exception or log record goes on as before."""
   previous = sys.unraisablehook
   if getattr(previous, "quiets_closed_loops", False):
     return
@@ -426,12 +564,33 @@ def _quiet_closed_loops() -> None:
   def hook(unraisable: Any) -> None:
     value = unraisable.exc_value
     if (isinstance(value, RuntimeError) and str(value) == "Event loop is closed") or (
-        isinstance(value, ImportError) and "Python is likely shutting down" in str(value)):
+        isinstance(value, ImportError) and "Python is likely shutting down" in str(value)) or (
+        _from_orbax(getattr(getattr(unraisable.object, "cr_code", None), "co_filename", ""))):
       return
     previous(unraisable)
 
   hook.quiets_closed_loops = True
   sys.unraisablehook = hook
+  logging.getLogger("asyncio").addFilter(_orbax_future_records)
+
+
+def _from_orbax(filename: str) -> bool:
+  return f"{os.sep}orbax{os.sep}" in filename
+
+
+def _orbax_future_records(record: logging.LogRecord) -> bool:
+  """False (dropped) for asyncio's record of a never-retrieved exception raised in Orbax's
+  code (its failed writes, reported by the save that failed)."""
+  first = str(record.msg).split("\n", 1)[0]  # "Task exception was never retrieved", ...
+  if not first.endswith("exception was never retrieved") or not record.exc_info:
+    return True
+  error = record.exc_info[1]
+  while error is not None:
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+      if _from_orbax(frame.f_code.co_filename):
+        return False
+    error = error.__cause__ or error.__context__
+  return True
 
 
 @contextlib.contextmanager
@@ -450,10 +609,13 @@ def _orbax_errors_held() -> Iterator[None]:
   logger.addFilter(hold)
   try:
     yield
+  except BaseException:
+    held.clear()
+    raise
   finally:
     logger.removeFilter(hold)
-  for record in held:
-    logger.handle(record)
+    for record in held:
+      logger.handle(record)
 
 
 def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
@@ -473,14 +635,17 @@ def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
 
 def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dict[str, Any],
                  steps: int, stop: int,
-                 shown: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> None:
+                 shown: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+                 finished: str = "") -> None:
   """With --resume: refuses (`parser.error`) a checkpoint past `steps`, or one saved by a
-  run whose config differs from `config` (names the flags that differ).
+  run whose config differs from `config` (names the flags that differ); for an intact
+  checkpoint at `steps`, says that nothing is left to train and exits (status 0), before
+  anything is built and without writing anything (`finished`: what to do instead).
 
   `config` maps flag names (`dropout`, `plain_ends`, ...) to values; it is what `save`'s
   metadata holds under "config". `shown` gives the values a config stands for, as the
-  message shows them (a None saved for the preset's batch: that batch). Reads metadata
-  only, before anything is built.
+  message shows them (a None saved for the preset's batch: that batch). Reads the newest
+  verified metadata; the arrays only of a finished run's last step (their digests).
   """
   directory = out / "checkpoints"
   if not directory.is_dir():
@@ -509,6 +674,12 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
     parser.error(f"--resume with a config other than that of the checkpoint in {directory}: "
                  + ", ".join(differ) + ". Pass the checkpoint's flags to continue it, or "
                  "another --out for a new run")
+  # A damaged last step is rejected by the resume, which then trains from the one before.
+  if step == steps and jax.process_count() == 1 and Checkpoints(directory).intact(step):
+    print(f"--resume: the checkpoint in {directory} is at step {step}, the run's last "
+          f"(--steps {steps}): nothing left to train; nothing was built or written."
+          + (f" {finished}" if finished else ""))
+    sys.exit(0)
 
 
 class LogLines:

@@ -81,8 +81,7 @@ def resume(checkpoints: Checkpoints, trainer: Stepper, params: Params, opt_state
   if restored is not None:
     first, params, opt_state = restored.step, restored.params, restored.opt_state
     trainer.seed(restored.streams)
-    losses = list(restored.meta["losses"])
+    losses = list(restored.meta["losses"])  # one per step: `Checkpoints` checked it
     eval_losses = [(step, loss) for step, loss in restored.meta["eval_losses"]]
-    assert len(losses) == first, f"step {first} holds {len(losses)} losses"
     print(f"resumed from step {first} ({checkpoints.directory}, digests verified)")
   return first, params, opt_state, losses, eval_losses

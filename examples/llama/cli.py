@@ -7,7 +7,7 @@ import argparse
 import pathlib
 
 import vocabulary as vocab_lib
-from common import check_out, check_resume, run_parser
+from common import check_out, check_resume, check_steps, run_parser
 
 from .checkpoints import check_vocabulary, run_config, shown_config
 from .layers import RESIDUAL_POLICIES
@@ -155,11 +155,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if preset.attention == "cudnn" and args.dtype != "bfloat16":
     parser.error("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
                  "--attention xla")
+  check_steps(parser, args, preset.steps)
   check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   check_fsdp(parser, args, preset)
   if args.resume:
     check_resume(parser, args.out, run_config(args, preset), preset.steps,
-                 min(preset.steps, args.stop_after or preset.steps), shown=shown_config)
+                 min(preset.steps, args.stop_after or preset.steps), shown=shown_config,
+                 finished=f"To train on from its params, start a new run from it: "
+                          f"--init-from {args.out} and another --out")
     check_vocabulary(parser, args.out, preset, args.cache)
   return args
 

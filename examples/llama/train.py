@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   # Checkpoints: --resume continues from the newest intact one.
   checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
-                                    host=placement.host)
+                                    host=placement.host, keep=args.keep_checkpoints)
   first, losses, eval_losses = 0, [], []
   if args.resume:
     first, params, opt_state, losses, eval_losses = resume(checkpoints, trainer, params,
@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         graph_ends, min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
     write_metrics(args.out, result, checkpoints)
-  print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, {checkpoints.directory}")
+  print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, {checkpoints.directory} "
+        f"({checkpoints.kept()})")
   if stop < preset.steps:
     print(f"stopped after step {stop} of {preset.steps} (--stop-after); continue with: "
           f"{command}")
