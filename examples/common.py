@@ -297,9 +297,9 @@ class Checkpoints:
     self.saved = self.manager.latest_step()  # the newest step on disk
 
   def kept(self) -> str:
-    """What the run keeps, for its last line: `the newest 2 steps kept (--keep-checkpoints)`."""
-    return (f"the newest {self.keep} step{'s' * (self.keep > 1)} kept (--keep-checkpoints N "
-            "keeps more)")
+    """What the run keeps, for its last line (`the newest 2 steps kept: ...`)."""
+    return (f"the newest {self.keep} step{'s' * (self.keep > 1)} kept: --keep-checkpoints N "
+            "keeps more")
 
   def _stop(self, failed: str, error: BaseException) -> NoReturn:
     """Ends the run with one message (below the progress bar, closed first): what could not
@@ -405,12 +405,14 @@ class Checkpoints:
       print("no checkpoint to resume from; starting at step 0")
     return restored
 
-  def restore(self, params: Any, opt_state: Any, streams: Streams) -> Restored | None:
+  def restore(self, params: Any, opt_state: Any, streams: Streams, *,
+              move_rejected: bool = True) -> Restored | None:
     """The newest checkpoint that restores and matches its digests; None if there is none.
 
     `params`, `opt_state` and `streams` give the structure (the values are replaced). Each
     newer step that failed is named in a `CheckpointWarning` and moved to
-    `checkpoints-rejected/`, so that the resumed run can save that step again.
+    `checkpoints-rejected/`, so that the resumed run can save that step again (left in
+    place without `move_rejected`: another run's checkpoints, read only).
 
     Raises:
       NoCheckpoint: there were checkpoints, and none of them passed (all left in place).
@@ -421,8 +423,9 @@ class Checkpoints:
       found = self._check(step, target)
       if isinstance(found, Restored):
         for bad, problem in failures:
+          where = (f"moved to {self._reject(bad)}" if move_rejected else "left in place")
           warnings.warn(f"checkpoint step {bad} in {self.directory} {problem}; resuming from "
-                        f"step {step} instead (step {bad} moved to {self._reject(bad)})",
+                        f"step {step} instead (step {bad} {where})",
                         CheckpointWarning, stacklevel=2)
         return found
       failures.append((step, found))
@@ -483,7 +486,8 @@ class Checkpoints:
     ours = _shapes(target)
     if saved.keys() != ours.keys():
       return None
-    differ = [path for path in sorted(ours) if saved[path] != ours[path]]
+    differ = [path for path in sorted(ours, key=lambda path: (path[0] != "params", path))
+              if saved[path] != ours[path]]
     if not differ:
       return None
     shown = "; ".join(f"{_show_path(path)} is {_show_shape(saved[path])} there, "

@@ -243,6 +243,84 @@ def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, en
   assert step == 4 and meta["vocabulary"] == vocabulary
 
 
+def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
+  """A tiny run, then `--lora 4 --init-from` it into an --out of its own: the base params
+  (the run's last checkpoint) stay bitwise what they were, in the checkpoint and by digest
+  before and after; the adapters train (Optax over them only) and the held-out loss drops
+  from the loaded model's; a LoRA run resumed from its step-10 checkpoint ends bit for bit
+  as the uninterrupted one."""
+  base, tuned, resumed = tmp_path / "base", tmp_path / "lora", tmp_path / "resumed"
+  tiny = ["--preset", "tiny", "--generate", "0"]
+  _run("llama/train.py", env, *tiny, "--out", str(base))
+  lora = [*tiny, "--init-from", str(base), "--lora", "4"]
+  out = _run("llama/train.py", env, *lora, "--generate", "4", "--out", str(tuned))
+  trained = json.loads((base / "metrics.json").read_text())
+  metrics = json.loads((tuned / "metrics.json").read_text())
+  start = metrics["fine_tuning"]
+  assert start["init_step"] == 12 and start["lora_rank"] == 4
+  assert start["params_sha256"] == trained["params_sha256"]  # the run's last params, loaded
+  assert start["base_params_sha256"] == start["base_params_sha256_after"] == (
+      trained["params_sha256"])  # the same bytes: the base buffers are the run's
+  assert "bitwise as loaded" in out and "the base frozen (grad_mask)" in out
+  shape = llama.presets.PRESETS["tiny"]
+  w, h, kv = shape.width, shape.hidden, shape.kv_heads * (shape.width // shape.heads)
+  shapes = [(w, w), (w, kv), (w, kv), (w, w), (w, h), (w, h), (h, w)]  # q k v out gate up down
+  assert start["trained_params"] == shape.depth * sum(4 * (i + o) for i, o in shapes)
+  # The held-out loss at step 0 is the loaded model's (B = 0: the adapters add nothing), and
+  # drops; the train losses are the LoRA run's own.
+  eval_losses = metrics["eval_losses"]
+  assert [step for step, _ in eval_losses] == [0, 6, 12]
+  if jax.default_backend() == "cpu":  # a program with the adapters' matmuls added: bitwise
+    assert eval_losses[0][1] == trained["eval_losses"][-1][1]
+  assert eval_losses[-1][1] < eval_losses[0][1]
+  assert len(metrics["losses"]) == 12 and metrics["generation"]["continuation"]
+  # In the checkpoint: the base buffers bitwise the run's, the adapters trained.
+  params, base_params = _final_params(tuned, 12), _final_params(base, 12)
+  for path, value in base_params.items():
+    assert np.array_equal(params[path], value), path
+  adapters = [path for path in params if "lora" in path]
+  assert adapters == ["[1]['lora.float32']", "[2]['lora.float32']"]
+  assert all(np.any(params[path] != 0) for path in adapters)
+
+  shutil.copytree(tuned, resumed)
+  shutil.rmtree(resumed / "checkpoints" / "12")  # as if stopped after step 10's checkpoint
+  out = _run("llama/train.py", env, *lora, "--out", str(resumed), "--resume")
+  assert "resumed from step 10" in out
+  again = json.loads((resumed / "metrics.json").read_text())
+  assert again["losses"] == metrics["losses"] and again["eval_losses"] == eval_losses
+  assert again["params_sha256"] == metrics["params_sha256"]
+  assert again["fine_tuning"] == start
+
+
+def test_llama_lora_and_init_from_flags_are_checked_first(llama, common, capsys, tmp_path):
+  def refused(*flags: str) -> str:
+    with pytest.raises(SystemExit) as exit:
+      llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "out"), *flags])
+    assert exit.value.code == 2
+    return capsys.readouterr().err
+
+  run = tmp_path / "run"
+  assert "--lora RANK fine-tunes a trained run: pass --init-from RUN_DIR" in refused(
+      "--lora", "4")
+  assert "--lora takes a rank >= 1, got 0" in refused("--lora", "0", "--init-from", str(run))
+  for flags, dropped in ((["--whole-step"], "--whole-step"), (["--check"], "--check"),
+                         (["--offload", "all"], "--offload"), (["--fsdp", "2"], "--fsdp")):
+    assert f"{dropped} is not supported with it: drop {dropped}" in refused(
+        "--init-from", str(run), "--lora", "4", *flags)
+  assert f"--init-from: no intact checkpoint in {run / 'checkpoints'}" in refused(
+      "--init-from", str(run))
+  assert "is this run's --out" in refused("--init-from", str(tmp_path / "out"))
+  args = llama.cli.parse(["--preset", "tiny", "--out", str(run)])
+  meta = {"config": llama.checkpoints.run_config(args, llama.presets.resolve(args))}
+  common.Checkpoints(run / "checkpoints").save(12, *_state(1.0), {**meta, "losses": [1.0] * 12})
+  assert ("--init-from loads params of another model or layout than this run's: --untied "
+          f"True (the run in {run}: False), --flat False (the run in {run}: True)") in refused(
+              "--init-from", str(run), "--untied", "--no-flat")
+  args = llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "out"), "--init-from",
+                          str(run), "--lora", "4"])
+  assert args.check is False  # a LoRA run is not --check'ed, whatever the preset
+
+
 # ------------------------------------------------- the numbers of earlier versions, pinned
 
 
@@ -621,7 +699,7 @@ def test_the_newest_checkpoints_are_kept_as_asked(common, tmp_path):
   for step in (10, 20, 30, 40):
     checkpoints.save(step, *_state(float(step)), _meta(step))
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [20, 30, 40]
-  assert checkpoints.kept() == "the newest 3 steps kept (--keep-checkpoints N keeps more)"
+  assert checkpoints.kept() == "the newest 3 steps kept: --keep-checkpoints N keeps more"
   assert common.Checkpoints(tmp_path / "other").kept().startswith("the newest 2 steps kept")
 
 

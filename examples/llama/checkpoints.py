@@ -22,15 +22,18 @@ def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
   compared by --resume (how tokens/s is measured, --check, --offload and generation are left
   out: they change no result). `fsdp`, `batch`, `context`, `text` and `vocab` are None where
   not given (or given as the preset's), as in checkpoints written before those flags, which
-  therefore still resume. The vocabulary itself is compared by its digest
-  (`check_vocabulary`)."""
+  therefore still resume; so are `init_from` and `lora` (lora.py). The vocabulary itself is
+  compared by its digest (`check_vocabulary`)."""
   return {"preset": args.preset, "steps": preset.steps, "seed": args.seed,
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
           "plain_ends": args.plain_ends, "flat": args.flat, "residuals": args.residuals,
           "whole_step": args.whole_step, "fsdp": args.fsdp, "batch": args.batch,
           "fuse": True if args.fuse else None,  # None when off, as before the flag
-          "context": args.context, "text": args.text, "vocab": args.vocab}
+          "context": args.context, "text": args.text, "vocab": args.vocab,
+          # None without them, as in checkpoints written before these flags (lora.py)
+          "init_from": None if args.init_from is None else str(args.init_from.absolute()),
+          "lora": args.lora}
 
 
 def shown_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -42,10 +45,11 @@ def shown_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_vocabulary(parser: argparse.ArgumentParser, out: pathlib.Path, preset: Preset,
-                     cache: pathlib.Path) -> None:
-  """With --resume: refuses (`parser.error`) a checkpoint trained with another vocabulary
-  (tokenizer digest) than this run's, naming both. Checkpoints written before vocabularies
-  were recorded used the fables' characters."""
+                     cache: pathlib.Path, flag: str = "--resume") -> None:
+  """With --resume (or --init-from: `flag`, and the run it names as `out`): refuses
+  (`parser.error`) a checkpoint trained with another vocabulary (tokenizer digest) than
+  this run's, naming both. Checkpoints written before vocabularies were recorded used the
+  fables' characters."""
   directory = out / "checkpoints"
   latest = Checkpoints(directory).latest_meta() if directory.is_dir() else None
   if latest is None:
@@ -54,21 +58,23 @@ def check_vocabulary(parser: argparse.ArgumentParser, out: pathlib.Path, preset:
       vocab_lib.fables(), vocab_lib.Characters(vocab_lib.fables()))
   ours = vocabulary_record(*load_vocabulary(preset, cache))
   if saved["digest"] != ours["digest"]:
-    parser.error(f"--resume: the checkpoint in {directory} was trained with "
+    parser.error(f"{flag}: the checkpoint in {directory} was trained with "
                  f"{describe_vocabulary(saved)}; this run's vocabulary is "
                  f"{describe_vocabulary(ours)}. Token ids mean other things under another "
                  "vocabulary: resume where the checkpoint's text and tokenizer are (the same "
                  f"Python for the standard library; its tokenizer file: "
                  f"{saved.get('file', 'none, characters')}), or start a new run with another "
-                 "--out (or without --resume)")
+                 f"--out (or without {flag})")
 
 
 
-def metadata(args: argparse.Namespace, preset: Preset, vocabulary: dict[str, Any]
-             ) -> dict[str, Any]:
+def metadata(args: argparse.Namespace, preset: Preset, vocabulary: dict[str, Any],
+             fine_tuning: dict[str, Any] | None = None) -> dict[str, Any]:
   """What every checkpoint of the run saves beside its state and loss history: the run's
-  config and its vocabulary (`vocabulary_record`), which --resume compares."""
-  return {"config": run_config(args, preset), "vocabulary": vocabulary}
+  config and its vocabulary (`vocabulary_record`), which --resume compares; a fine-tuning
+  run's start (lora.py: the run it loaded, its step and digests)."""
+  return {"config": run_config(args, preset), "vocabulary": vocabulary,
+          **({"fine_tuning": fine_tuning} if fine_tuning else {})}
 
 
 def resume(checkpoints: Checkpoints, trainer: Stepper, params: Params, opt_state: Any
