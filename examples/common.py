@@ -247,12 +247,12 @@ def tree_digests(tree: Any) -> dict[str, str]:
 class Checkpoints:
   """Orbax checkpoints: each step holds the state (params, optimizer state, each layer's
   key-stream position) and, in the same step, its metadata (the run's config and loss
-  history, and a sha256 of every array of the state).
+  history, a sha256 of every array of the state, and one of the rest of the metadata).
 
   Orbax writes a step into a temporary directory and renames it when complete, so the state
-  and the history of a step are there together or not at all. `restore` checks every array
-  against the step's digests and falls back to the previous step when the latest cannot be
-  read or fails the check. A step it skipped is moved out of the way (into
+  and the history of a step are there together or not at all. `restore` checks the metadata
+  against its digest and every array against the step's digests, and falls back to the
+  previous step when the latest cannot be read or fails a check. A step it skipped is moved out of the way (into
   `checkpoints-rejected/`): Orbax silently skips saving a step at or below one it holds.
 
   Sharded arrays (FSDP) save and restore as Orbax does them: each process writes its own

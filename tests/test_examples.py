@@ -284,6 +284,7 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
 
   shutil.copytree(tuned, resumed)
   shutil.rmtree(resumed / "checkpoints" / "12")  # as if stopped after step 10's checkpoint
+  base.rename(tmp_path / "moved")  # its checkpoints hold the params: no base run needed
   out = _run("llama/train.py", env, *lora, "--out", str(resumed), "--resume")
   assert "resumed from step 10" in out
   again = json.loads((resumed / "metrics.json").read_text())

@@ -82,6 +82,9 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
     args.check = False
   if args.init_from is None:
     return
+  own = args.out / "checkpoints"
+  if args.resume and own.is_dir() and Checkpoints(own).latest_meta() is not None:
+    return  # its own checkpoints hold the params: the run it started from is not read again
   run = args.init_from
   if run.absolute() == args.out.absolute():
     parser.error(f"--init-from {run} is this run's --out: a fine-tuning run starts from a "
@@ -92,8 +95,13 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
     parser.error(f"--init-from: no intact checkpoint in {directory}: pass the --out of a "
                  "trained run (it keeps its newest checkpoints there)")
   saved, ours = shown_config(latest[1].get("config", {})), shown_config(run_config(args, preset))
-  differ = [f"--{name.replace('_', '-')} {ours.get(name)!r} (the run in {run}: "
-            f"{saved.get(name)!r})" for name in MODEL_FLAGS if ours.get(name) != saved.get(name)]
+
+  def show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+  differ = [f"--{name.replace('_', '-')} {show(ours.get(name))} (the run in {run}: "
+            f"{show(saved.get(name))})" for name in MODEL_FLAGS
+            if ours.get(name) != saved.get(name)]
   if differ:
     parser.error(f"--init-from loads params of another model or layout than this run's: "
                  f"{', '.join(differ)}. Pass the flags that run was trained with")
