@@ -2,27 +2,25 @@
 key-stream positions, verified Orbax checkpoints that hold them with the run's config and
 loss history, atomic JSON writes, the progress bar, a params digest, the loss plot.
 
-Used by examples/train_gpt.py and the Llama example (examples/llama/).
+Used by examples/train_gpt.py and the Llama example (examples/llama/). What a checkpoint is
+checked for, and the noise of a failed Orbax read or write kept quiet, are in
+checkpoint_checks.py; the progress bar is progress.py's (both imported here).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import pathlib
 import shlex
 import shutil
 import sys
 import tempfile
-import traceback
 import warnings
-import weakref
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, NoReturn, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +31,9 @@ from jax.sharding import Sharding
 
 import jaxgraph as jg
 import jaxgraph.rng
+from checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held, other_shapes,
+                               quiet_closed_loops, reason, tree_digests)
+from progress import LogLines, close_bars, progress_bar  # noqa: F401 (LogLines: for users)
 from vocabulary import Vocabulary
 
 
@@ -230,20 +231,6 @@ class Restored(NamedTuple):
   meta: dict[str, Any]  # what `Checkpoints.save` was given, plus "step" and "digests"
 
 
-def _digest(array: Any) -> str:
-  """sha256 of an array's bytes, hashed in place (a byte view, no copy)."""
-  return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
-
-
-def tree_digests(tree: Any) -> dict[str, str]:
-  """sha256 of every leaf of `tree`, by its path. Hashed on host threads (hashlib releases
-  the GIL), about 1.5 GB/s per core."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  with concurrent.futures.ThreadPoolExecutor() as pool:
-    digests = pool.map(_digest, [leaf for _, leaf in leaves])
-    return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
-
-
 class Checkpoints:
   """Orbax checkpoints: each step holds the state (params, optimizer state, each layer's
   key-stream position) and, in the same step, its metadata (the run's config and loss
@@ -284,7 +271,7 @@ class Checkpoints:
     self.command = command
     self.keep = keep
     self.rejected = self.directory.parent / "checkpoints-rejected"
-    _quiet_closed_loops()  # before the first read or write: a failure's stragglers print late
+    quiet_closed_loops()  # before the first read or write: a failure's stragglers print late
     self._open()
 
   def _open(self) -> None:
@@ -304,16 +291,15 @@ class Checkpoints:
   def _stop(self, failed: str, error: BaseException) -> NoReturn:
     """Ends the run with one message (below the progress bar, closed first): what could not
     be written and why, the last step saved, and the command that continues from it."""
-    reason = _reason(error)
+    why = reason(error)
     if self.saved is None:
       where = "No step is saved yet"
     else:
       where = f"The last step saved is {self.saved} ({self.directory / str(self.saved)})"
-    fix = ("free space on its disk" if "No space left on device" in reason
+    fix = ("free space on its disk" if "No space left on device" in why
            else "when that is fixed")
-    for bar in list(_BARS):
-      bar.close()
-    sys.exit(f"{failed}: {reason}. {where}; {fix}, continue with: "
+    close_bars()
+    sys.exit(f"{failed}: {why}. {where}; {fix}, continue with: "
              f"{self.command or 'the same command and --resume'}")
 
   @contextlib.contextmanager
@@ -341,11 +327,11 @@ class Checkpoints:
     meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
     meta[META_DIGEST] = meta_digest(meta)
     try:
-      with _orbax_errors_held():
+      with orbax_errors_held():
         saved = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
     except Exception as e:  # a full disk (tensorstore's ValueError), OSError, ...
-      _quiet_closed_loops()
+      quiet_closed_loops()
       self._stop(f"could not save checkpoint step {step} in {self.directory}", e)
     if not saved:
       raise RuntimeError(f"Orbax skipped saving step {step}: {self.directory} already holds "
@@ -365,12 +351,12 @@ class Checkpoints:
   def _meta(self, step: int) -> dict[str, Any] | str:
     """Step `step`'s metadata, checked against its digest; or what is wrong with it."""
     try:
-      with _orbax_errors_held():
+      with orbax_errors_held():
         restored = self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore()))
       meta = dict(restored["meta"])
     except Exception as e:  # JSON, a missing item: one line is enough
-      return f"cannot be read ({_reason(e)})"
+      return f"cannot be read ({reason(e)})"
     saved = meta.get(META_DIGEST)  # None: written before metadata digests, read as it is
     if saved is not None and saved != meta_digest(meta):
       return ("has metadata that does not match its digest (its config, loss history or "
@@ -385,7 +371,7 @@ class Checkpoints:
     if not isinstance(meta, dict) or not isinstance(meta.get("digests"), dict):
       return False
     try:
-      with _orbax_errors_held():
+      with orbax_errors_held():
         saved = self.manager.item_metadata(step)["state"]
         host = jax.tree.map(lambda leaf: np.empty(leaf.shape, np.dtype(leaf.dtype)), saved)
         state = self.manager.restore(step, args=ocp.args.Composite(
@@ -457,11 +443,11 @@ class Checkpoints:
     if other is not None:
       return other
     try:
-      with _orbax_errors_held():
+      with orbax_errors_held():
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))
     except Exception as e:  # tensorstore, missing items: one line is enough
-      return f"cannot be read ({_reason(e)})"
+      return f"cannot be read ({reason(e)})"
     state = restored["state"]
     found = tree_digests(self._host(state))
     bad = sorted(path for path in expected.keys() | found.keys()
@@ -474,27 +460,13 @@ class Checkpoints:
     return Restored(step, state["params"], state["opt_state"], streams, meta)
 
   def _other_shapes(self, step: int, target: dict[str, Any]) -> str | None:
-    """What differs between the arrays step `step` holds and `target`'s, where both hold the
-    same arrays (by path) of other shapes or dtypes: a model of another shape (width,
-    hidden, heads) than the one that saved it. None where they agree, or where the saved
-    shapes cannot be read or the paths differ (the read then says what is wrong)."""
+    """`other_shapes` of step `step`'s saved arrays and `target`'s (None where the saved
+    shapes cannot be read: the read then says what is wrong)."""
     try:
-      with _orbax_errors_held():
-        saved = _shapes(self.manager.item_metadata(step)["state"])
+      with orbax_errors_held():
+        return other_shapes(self.manager.item_metadata(step)["state"], target)
     except Exception:
       return None
-    ours = _shapes(target)
-    if saved.keys() != ours.keys():
-      return None
-    differ = [path for path in sorted(ours, key=lambda path: (path[0] != "params", path))
-              if saved[path] != ours[path]]
-    if not differ:
-      return None
-    shown = "; ".join(f"{_show_path(path)} is {_show_shape(saved[path])} there, "
-                      f"{_show_shape(ours[path])} here" for path in differ[:2])
-    more = f" (and {len(differ) - 2} more)" if len(differ) > 2 else ""
-    return (f"holds arrays of other shapes than this run's model: {shown}{more}; it was saved "
-            "by a model of another shape (width, hidden, heads or vocabulary)")
 
   def _reject(self, step: int) -> pathlib.Path:
     """Moves step `step` out of the checkpoint directory; returns where to."""
@@ -506,120 +478,6 @@ class Checkpoints:
     shutil.move(str(self.directory / str(step)), destination)
     self._open()  # the manager caches the steps it found
     return destination
-
-
-def _reason(error: BaseException) -> str:
-  """The first line of the innermost cause of `error`, with its type: Orbax wraps
-  tensorstore's errors (the reason) in its own, whose text holds a `<bound method ...>`."""
-  while error.__cause__ is not None:
-    error = error.__cause__
-  first = (str(error).strip().splitlines() or [""])[0]
-  return f"{type(error).__name__}: {first}"
-
-
-# The key of a step's metadata that holds the sha256 of the rest of it (`meta_digest`).
-META_DIGEST = "meta_sha256"
-
-
-def meta_digest(meta: dict[str, Any]) -> str:
-  """sha256 of a step's metadata without its own digest, as JSON with sorted keys: what it
-  reads back as (tuples become lists; floats round-trip exactly through JSON)."""
-  rest = {key: value for key, value in meta.items() if key != META_DIGEST}
-  return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
-
-
-def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
-  """(shape, dtype) of every array of `tree` by its path, each key by its name: Orbax's
-  metadata holds a named tuple's fields and a Variable's value as dict entries."""
-  def name(key: Any) -> str:
-    for attribute in ("key", "name", "idx"):
-      if hasattr(key, attribute):
-        return str(getattr(key, attribute))
-    return str(key)
-
-  found = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-      found[tuple(name(key) for key in path)] = (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
-  return found
-
-
-def _show_path(path: tuple[str, ...]) -> str:
-  return "".join(f"[{part}]" if part.isdigit() else f"['{part}']" for part in path)
-
-
-def _show_shape(found: tuple[tuple[int, ...], str]) -> str:
-  shape, dtype = found
-  return f"{dtype}{list(shape)}"
-
-
-def _quiet_closed_loops() -> None:
-  """After an Orbax read or write failed part-way: its other tensorstore reads and writes
-  finish later and call back into the event loop Orbax ran them in, closed by then, and
-  each prints a "RuntimeError: Event loop is closed" traceback (through
-  `sys.unraisablehook`), as do its coroutines never awaited when the interpreter exits,
-  and asyncio logs the futures of its failed writes ("Future exception was never
-  retrieved") when they are collected. Drops those (the failure's own message names the
-  reason); any other unraisable exception or log record goes on as before."""
-  previous = sys.unraisablehook
-  if getattr(previous, "quiets_closed_loops", False):
-    return
-
-  def hook(unraisable: Any) -> None:
-    value = unraisable.exc_value
-    if (isinstance(value, RuntimeError) and str(value) == "Event loop is closed") or (
-        isinstance(value, ImportError) and "Python is likely shutting down" in str(value)) or (
-        _from_orbax(getattr(getattr(unraisable.object, "cr_code", None), "co_filename", ""))):
-      return
-    previous(unraisable)
-
-  hook.quiets_closed_loops = True
-  sys.unraisablehook = hook
-  logging.getLogger("asyncio").addFilter(_orbax_future_records)
-
-
-def _from_orbax(filename: str) -> bool:
-  return f"{os.sep}orbax{os.sep}" in filename
-
-
-def _orbax_future_records(record: logging.LogRecord) -> bool:
-  """False (dropped) for asyncio's record of a never-retrieved exception raised in Orbax's
-  code (its failed writes, reported by the save that failed)."""
-  first = str(record.msg).split("\n", 1)[0]  # "Task exception was never retrieved", ...
-  if not first.endswith("exception was never retrieved") or not record.exc_info:
-    return True
-  error = record.exc_info[1]
-  while error is not None:
-    for frame, _ in traceback.walk_tb(error.__traceback__):
-      if _from_orbax(frame.f_code.co_filename):
-        return False
-    error = error.__cause__ or error.__context__
-  return True
-
-
-@contextlib.contextmanager
-def _orbax_errors_held() -> Iterator[None]:
-  """Holds Orbax's error log records (absl, with tracebacks: logged by its writer threads
-  before the failure reaches the caller) while inside; they go out only if no exception
-  does, which names the reason itself."""
-  logger, held = logging.getLogger("absl"), []
-
-  def hold(record: logging.LogRecord) -> bool:
-    if record.levelno >= logging.ERROR:
-      held.append(record)
-      return False
-    return True
-
-  logger.addFilter(hold)
-  try:
-    yield
-  except BaseException:
-    held.clear()
-    raise
-  finally:
-    logger.removeFilter(hold)
-    for record in held:
-      logger.handle(record)
 
 
 def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
@@ -684,56 +542,6 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
           f"(--steps {steps}): nothing left to train; nothing was built or written."
           + (f" {finished}" if finished else ""))
     sys.exit(0)
-
-
-class LogLines:
-  """The part of tqdm's interface the examples use, without a bar: log lines only (when
-  tqdm, in the "examples" extra, is not installed)."""
-
-  def __init__(self, iterable: Iterable[int], **_: Any):
-    self._iterable = iterable
-
-  def __iter__(self) -> Iterator[int]:
-    return iter(self._iterable)
-
-  def set_postfix(self, **_: Any) -> None:
-    pass
-
-  def write(self, line: str) -> None:
-    print(line, flush=True)
-
-  def close(self) -> None:
-    pass
-
-
-def progress_bar(steps: range, *, total: int) -> Any:
-  """A tqdm bar over `steps` (of `total`; `steps` may start later, on a resume), or
-  `LogLines` without tqdm. The bar shows no rate of its own: its wall time includes
-  evaluation and checkpoints, so the examples put their measured tok/s in the postfix."""
-  try:
-    from tqdm import tqdm
-  except ImportError:
-    return LogLines(steps)
-
-  class StepBar(tqdm):
-    """Counts each step as it starts. tqdm's own iteration counts only when it redraws (at
-    most once a second), so a postfix set between redraws showed the count of the last one
-    (0/12 through a whole tiny Llama run)."""
-
-    def __iter__(self) -> Iterator[int]:
-      for step in self.iterable:
-        self.update()
-        yield step
-
-  bar = StepBar(steps, initial=steps.start - 1, total=total, desc="train", unit="step",
-                mininterval=1.0, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
-                "{n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
-  _BARS.add(bar)
-  return bar
-
-
-# The bars open: a run that ends on a failed write closes them before its message.
-_BARS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def params_digest(params: Any) -> str:

@@ -1066,8 +1066,8 @@ def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(comm
                                                                            monkeypatch):
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", seen.append)
-  common._quiet_closed_loops()
-  common._quiet_closed_loops()  # once is enough: not wrapped twice
+  common.quiet_closed_loops()
+  common.quiet_closed_loops()  # once is enough: not wrapped twice
   hook = sys.unraisablehook
   assert hook.__closure__[0].cell_contents == seen.append
 
