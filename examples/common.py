@@ -2,17 +2,17 @@
 key-stream positions, verified Orbax checkpoints that hold them with the run's config and
 loss history, atomic JSON writes, the progress bar, a params digest, the loss plot.
 
-Used by examples/train_gpt.py and the Llama example (examples/llama/).
+Used by examples/train_gpt.py and the Llama example (examples/llama/). What a checkpoint is
+checked for, and the noise of a failed Orbax read or write kept quiet, are in
+checkpoint_checks.py; the progress bar is progress.py's (both imported here).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import pathlib
 import shlex
@@ -20,8 +20,7 @@ import shutil
 import sys
 import tempfile
 import warnings
-import weakref
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, NoReturn, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,9 @@ from jax.sharding import Sharding
 
 import jaxgraph as jg
 import jaxgraph.rng
+from checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held, other_shapes,
+                               quiet_closed_loops, reason, tree_digests)
+from progress import LogLines, close_bars, progress_bar  # noqa: F401 (LogLines: for users)
 from vocabulary import Vocabulary
 
 
@@ -46,7 +48,26 @@ def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentPar
   parser.add_argument("--fresh", action="store_true",
                       help="start a new run in an --out that holds an earlier one: its "
                            "checkpoints and outputs are moved to OUT/earlier-N/ (kept)")
+  parser.add_argument("--keep-checkpoints", type=int, default=KEEP, metavar="N",
+                      help=f"how many of the newest checkpoint steps to keep (default: {KEEP}; "
+                           "an older step is deleted when a newer one is saved)")
   return parser
+
+
+# The checkpoint steps a run keeps by default (--keep-checkpoints).
+KEEP = 2
+
+
+def check_steps(parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int) -> None:
+  """--stop-after and --keep-checkpoints against the run's `steps` (argparse errors): a
+  --stop-after past the last step would stop nowhere."""
+  if args.stop_after is not None and args.stop_after > steps:
+    parser.error(f"--stop-after {args.stop_after} is past the run's last step (--steps "
+                 f"{steps}): pass a --stop-after of at most {steps}, or leave it out to train "
+                 "every step")
+  if args.keep_checkpoints < 1:
+    parser.error(f"--keep-checkpoints takes a number >= 1 (a resume needs a step to resume "
+                 f"from), got {args.keep_checkpoints}")
 
 
 # What a run writes in --out, each moved aside together by --fresh.
@@ -210,29 +231,15 @@ class Restored(NamedTuple):
   meta: dict[str, Any]  # what `Checkpoints.save` was given, plus "step" and "digests"
 
 
-def _digest(array: Any) -> str:
-  """sha256 of an array's bytes, hashed in place (a byte view, no copy)."""
-  return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
-
-
-def tree_digests(tree: Any) -> dict[str, str]:
-  """sha256 of every leaf of `tree`, by its path. Hashed on host threads (hashlib releases
-  the GIL), about 1.5 GB/s per core."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  with concurrent.futures.ThreadPoolExecutor() as pool:
-    digests = pool.map(_digest, [leaf for _, leaf in leaves])
-    return {jax.tree_util.keystr(path): d for (path, _), d in zip(leaves, digests)}
-
-
 class Checkpoints:
   """Orbax checkpoints: each step holds the state (params, optimizer state, each layer's
   key-stream position) and, in the same step, its metadata (the run's config and loss
-  history, and a sha256 of every array of the state).
+  history, a sha256 of every array of the state, and one of the rest of the metadata).
 
   Orbax writes a step into a temporary directory and renames it when complete, so the state
-  and the history of a step are there together or not at all. `restore` checks every array
-  against the step's digests and falls back to the previous step when the latest cannot be
-  read or fails the check. A step it skipped is moved out of the way (into
+  and the history of a step are there together or not at all. `restore` checks the metadata
+  against its digest and every array against the step's digests, and falls back to the
+  previous step when the latest cannot be read or fails a check. A step it skipped is moved out of the way (into
   `checkpoints-rejected/`): Orbax silently skips saving a step at or below one it holds.
 
   Sharded arrays (FSDP) save and restore as Orbax does them: each process writes its own
@@ -243,10 +250,11 @@ class Checkpoints:
 
   @classmethod
   def for_run(cls, out: pathlib.Path, *, fresh: bool, command: str,
-              host: Callable[[Any], Any] | None = None) -> "Checkpoints":
-    """The checkpoints of a run writing to `out` (`check_out` checked it); with `fresh`, an
-    earlier run's outputs are moved aside first (by process 0, the others wait for it).
-    `command` continues the run: messages about a failed write name it."""
+              host: Callable[[Any], Any] | None = None, keep: int = KEEP) -> "Checkpoints":
+    """The checkpoints of a run writing to `out` (`check_out` checked it), the newest `keep`
+    steps kept; with `fresh`, an earlier run's outputs are moved aside first (by process 0,
+    the others wait for it). `command` continues the run: messages about a failed write
+    name it."""
     if fresh and jax.process_index() == 0:
       moved = move_aside(out)
       if moved is not None:
@@ -254,34 +262,44 @@ class Checkpoints:
               "--resume continues it; delete it when you no longer need it)")
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("examples.common.Checkpoints.for_run")
-    return cls(out / "checkpoints", host=host, command=command)
+    return cls(out / "checkpoints", host=host, command=command, keep=keep)
 
   def __init__(self, directory: pathlib.Path, *, host: Callable[[Any], Any] | None = None,
-               command: str | None = None):
+               command: str | None = None, keep: int = KEEP):
     self.directory = directory.absolute()
     self._host = host or (lambda tree: tree)
     self.command = command
+    self.keep = keep
     self.rejected = self.directory.parent / "checkpoints-rejected"
+    quiet_closed_loops()  # before the first read or write: a failure's stragglers print late
     self._open()
 
   def _open(self) -> None:
-    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-        max_to_keep=2, enable_async_checkpointing=False))
+    # The item handlers named: `item_metadata` then reads the saved arrays' shapes.
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=self.keep, enable_async_checkpointing=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
     self.saved = self.manager.latest_step()  # the newest step on disk
+
+  def kept(self) -> str:
+    """What the run keeps, for its last line (`the newest 2 steps kept: ...`)."""
+    return (f"the newest {self.keep} step{'s' * (self.keep > 1)} kept: --keep-checkpoints N "
+            "keeps more")
 
   def _stop(self, failed: str, error: BaseException) -> NoReturn:
     """Ends the run with one message (below the progress bar, closed first): what could not
     be written and why, the last step saved, and the command that continues from it."""
-    reason = _reason(error)
+    why = reason(error)
     if self.saved is None:
       where = "No step is saved yet"
     else:
       where = f"The last step saved is {self.saved} ({self.directory / str(self.saved)})"
-    fix = ("free space on its disk" if "No space left on device" in reason
+    fix = ("free space on its disk" if "No space left on device" in why
            else "when that is fixed")
-    for bar in list(_BARS):
-      bar.close()
-    sys.exit(f"{failed}: {reason}. {where}; {fix}, continue with: "
+    close_bars()
+    sys.exit(f"{failed}: {why}. {where}; {fix}, continue with: "
              f"{self.command or 'the same command and --resume'}")
 
   @contextlib.contextmanager
@@ -307,12 +325,13 @@ class Checkpoints:
     state's digests, in one Orbax step."""
     tree = self._tree(params, opt_state, streams)
     meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
+    meta[META_DIGEST] = meta_digest(meta)
     try:
-      with _orbax_errors_held():
+      with orbax_errors_held():
         saved = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
     except Exception as e:  # a full disk (tensorstore's ValueError), OSError, ...
-      _quiet_closed_loops()
+      quiet_closed_loops()
       self._stop(f"could not save checkpoint step {step} in {self.directory}", e)
     if not saved:
       raise RuntimeError(f"Orbax skipped saving step {step}: {self.directory} already holds "
@@ -321,15 +340,45 @@ class Checkpoints:
     self.saved = step
 
   def latest_meta(self) -> tuple[int, dict[str, Any]] | None:
-    """The newest step whose metadata reads, and that metadata (arrays not read or checked:
-    `restore` does that); None if there is none."""
+    """The newest step whose metadata reads and matches its digest, and that metadata
+    (arrays not read or checked: `restore` does that); None if there is none."""
     for step in sorted(self.manager.all_steps(), reverse=True):
-      try:
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return step, dict(meta["meta"])
-      except Exception:  # unreadable: `restore` names it and falls back
-        continue
-    return None
+      meta = self._meta(step)
+      if isinstance(meta, dict):
+        return step, meta
+    return None  # unreadable or damaged: `restore` names each and falls back
+
+  def _meta(self, step: int) -> dict[str, Any] | str:
+    """Step `step`'s metadata, checked against its digest; or what is wrong with it."""
+    try:
+      with orbax_errors_held():
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))
+      meta = dict(restored["meta"])
+    except Exception as e:  # JSON, a missing item: one line is enough
+      return f"cannot be read ({reason(e)})"
+    saved = meta.get(META_DIGEST)  # None: written before metadata digests, read as it is
+    if saved is not None and saved != meta_digest(meta):
+      return ("has metadata that does not match its digest (its config, loss history or "
+              "array digests were changed after the save)")
+    return meta
+
+  def intact(self, step: int) -> bool:
+    """Whether step `step` reads and matches its digests, without a target of its structure
+    (the arrays' digests compared as a set): for a look before the model is built. Only
+    for a run of one process."""
+    meta = self._meta(step)
+    if not isinstance(meta, dict) or not isinstance(meta.get("digests"), dict):
+      return False
+    try:
+      with orbax_errors_held():
+        saved = self.manager.item_metadata(step)["state"]
+        host = jax.tree.map(lambda leaf: np.empty(leaf.shape, np.dtype(leaf.dtype)), saved)
+        state = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(host)))["state"]
+    except Exception:
+      return False
+    return sorted(tree_digests(state).values()) == sorted(meta["digests"].values())
 
   def resume(self, params: Any, opt_state: Any, streams: Streams) -> Restored | None:
     """`--resume`: `restore`, saying so when there is nothing to resume from; exits with one
@@ -342,12 +391,14 @@ class Checkpoints:
       print("no checkpoint to resume from; starting at step 0")
     return restored
 
-  def restore(self, params: Any, opt_state: Any, streams: Streams) -> Restored | None:
+  def restore(self, params: Any, opt_state: Any, streams: Streams, *,
+              move_rejected: bool = True) -> Restored | None:
     """The newest checkpoint that restores and matches its digests; None if there is none.
 
     `params`, `opt_state` and `streams` give the structure (the values are replaced). Each
     newer step that failed is named in a `CheckpointWarning` and moved to
-    `checkpoints-rejected/`, so that the resumed run can save that step again.
+    `checkpoints-rejected/`, so that the resumed run can save that step again (left in
+    place without `move_rejected`: another run's checkpoints, read only).
 
     Raises:
       NoCheckpoint: there were checkpoints, and none of them passed (all left in place).
@@ -358,30 +409,46 @@ class Checkpoints:
       found = self._check(step, target)
       if isinstance(found, Restored):
         for bad, problem in failures:
+          where = (f"moved to {self._reject(bad)}" if move_rejected else "left in place")
           warnings.warn(f"checkpoint step {bad} in {self.directory} {problem}; resuming from "
-                        f"step {step} instead (step {bad} moved to {self._reject(bad)})",
+                        f"step {step} instead (step {bad} {where})",
                         CheckpointWarning, stacklevel=2)
         return found
       failures.append((step, found))
     if failures:
+      shapes = all("other shapes" in problem for _, problem in failures)
       raise NoCheckpoint(f"no checkpoint in {self.directory} restores intact: "
                          + "; ".join(f"step {step} {problem}" for step, problem in failures)
-                         + ". The steps are left in place: start afresh with --fresh "
-                         "instead of --resume (they are moved aside, not deleted)")
+                         + ". The steps are left in place: "
+                         + ("resume with the model (code, preset and flags) that saved them, "
+                            "or " if shapes else "")
+                         + "start afresh with --fresh instead of --resume (they are moved "
+                         "aside, not deleted)")
     return None
 
   def _check(self, step: int, target: dict[str, Any]) -> Restored | str:
-    """Step `step` restored and verified, or what is wrong with it."""
-    try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    except Exception as e:  # tensorstore, JSON, missing items: one line is enough
-      _quiet_closed_loops()
-      return f"cannot be read ({_reason(e)})"
-    state, meta = restored["state"], dict(restored["meta"])
+    """Step `step` restored and verified, or what is wrong with it: its metadata first (its
+    digest, the history it holds), the arrays' shapes against `target`'s, then the arrays
+    read and hashed."""
+    meta = self._meta(step)
+    if isinstance(meta, str):
+      return meta
     expected = meta.get("digests")
     if not isinstance(expected, dict):
       return "has no digests (written by an older version of this example?)"
+    losses = meta.get("losses")
+    if isinstance(losses, list) and len(losses) != step:
+      return f"has metadata holding {len(losses)} training losses for its {step} steps"
+    other = self._other_shapes(step, target)
+    if other is not None:
+      return other
+    try:
+      with orbax_errors_held():
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))
+    except Exception as e:  # tensorstore, missing items: one line is enough
+      return f"cannot be read ({reason(e)})"
+    state = restored["state"]
     found = tree_digests(self._host(state))
     bad = sorted(path for path in expected.keys() | found.keys()
                  if expected.get(path) != found.get(path))
@@ -391,6 +458,15 @@ class Checkpoints:
     streams = [(jax.random.wrap_key_data(s["key"]), int(s["counter"]))
                for s in state["streams"]]
     return Restored(step, state["params"], state["opt_state"], streams, meta)
+
+  def _other_shapes(self, step: int, target: dict[str, Any]) -> str | None:
+    """`other_shapes` of step `step`'s saved arrays and `target`'s (None where the saved
+    shapes cannot be read: the read then says what is wrong)."""
+    try:
+      with orbax_errors_held():
+        return other_shapes(self.manager.item_metadata(step)["state"], target)
+    except Exception:
+      return None
 
   def _reject(self, step: int) -> pathlib.Path:
     """Moves step `step` out of the checkpoint directory; returns where to."""
@@ -402,58 +478,6 @@ class Checkpoints:
     shutil.move(str(self.directory / str(step)), destination)
     self._open()  # the manager caches the steps it found
     return destination
-
-
-def _reason(error: BaseException) -> str:
-  """The first line of the innermost cause of `error`, with its type: Orbax wraps
-  tensorstore's errors (the reason) in its own, whose text holds a `<bound method ...>`."""
-  while error.__cause__ is not None:
-    error = error.__cause__
-  first = (str(error).strip().splitlines() or [""])[0]
-  return f"{type(error).__name__}: {first}"
-
-
-def _quiet_closed_loops() -> None:
-  """After an Orbax read or write failed part-way: its other tensorstore reads and writes
-  finish later and call back into the event loop Orbax ran them in, closed by then, and
-  each prints a "RuntimeError: Event loop is closed" traceback (through
-  `sys.unraisablehook`), as do its coroutines never awaited when the interpreter exits.
-  Drops those; any other unraisable exception goes on to the hook set before."""
-  previous = sys.unraisablehook
-  if getattr(previous, "quiets_closed_loops", False):
-    return
-
-  def hook(unraisable: Any) -> None:
-    value = unraisable.exc_value
-    if (isinstance(value, RuntimeError) and str(value) == "Event loop is closed") or (
-        isinstance(value, ImportError) and "Python is likely shutting down" in str(value)):
-      return
-    previous(unraisable)
-
-  hook.quiets_closed_loops = True
-  sys.unraisablehook = hook
-
-
-@contextlib.contextmanager
-def _orbax_errors_held() -> Iterator[None]:
-  """Holds Orbax's error log records (absl, with tracebacks: logged by its writer threads
-  before the failure reaches the caller) while inside; they go out only if no exception
-  does, which names the reason itself."""
-  logger, held = logging.getLogger("absl"), []
-
-  def hold(record: logging.LogRecord) -> bool:
-    if record.levelno >= logging.ERROR:
-      held.append(record)
-      return False
-    return True
-
-  logger.addFilter(hold)
-  try:
-    yield
-  finally:
-    logger.removeFilter(hold)
-  for record in held:
-    logger.handle(record)
 
 
 def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
@@ -473,14 +497,17 @@ def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
 
 def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dict[str, Any],
                  steps: int, stop: int,
-                 shown: Callable[[dict[str, Any]], dict[str, Any]] = dict) -> None:
+                 shown: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+                 finished: str = "") -> None:
   """With --resume: refuses (`parser.error`) a checkpoint past `steps`, or one saved by a
-  run whose config differs from `config` (names the flags that differ).
+  run whose config differs from `config` (names the flags that differ); for an intact
+  checkpoint at `steps`, says that nothing is left to train and exits (status 0), before
+  anything is built and without writing anything (`finished`: what to do instead).
 
   `config` maps flag names (`dropout`, `plain_ends`, ...) to values; it is what `save`'s
   metadata holds under "config". `shown` gives the values a config stands for, as the
-  message shows them (a None saved for the preset's batch: that batch). Reads metadata
-  only, before anything is built.
+  message shows them (a None saved for the preset's batch: that batch). Reads the newest
+  verified metadata; the arrays only of a finished run's last step (their digests).
   """
   directory = out / "checkpoints"
   if not directory.is_dir():
@@ -509,56 +536,12 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
     parser.error(f"--resume with a config other than that of the checkpoint in {directory}: "
                  + ", ".join(differ) + ". Pass the checkpoint's flags to continue it, or "
                  "another --out for a new run")
-
-
-class LogLines:
-  """The part of tqdm's interface the examples use, without a bar: log lines only (when
-  tqdm, in the "examples" extra, is not installed)."""
-
-  def __init__(self, iterable: Iterable[int], **_: Any):
-    self._iterable = iterable
-
-  def __iter__(self) -> Iterator[int]:
-    return iter(self._iterable)
-
-  def set_postfix(self, **_: Any) -> None:
-    pass
-
-  def write(self, line: str) -> None:
-    print(line, flush=True)
-
-  def close(self) -> None:
-    pass
-
-
-def progress_bar(steps: range, *, total: int) -> Any:
-  """A tqdm bar over `steps` (of `total`; `steps` may start later, on a resume), or
-  `LogLines` without tqdm. The bar shows no rate of its own: its wall time includes
-  evaluation and checkpoints, so the examples put their measured tok/s in the postfix."""
-  try:
-    from tqdm import tqdm
-  except ImportError:
-    return LogLines(steps)
-
-  class StepBar(tqdm):
-    """Counts each step as it starts. tqdm's own iteration counts only when it redraws (at
-    most once a second), so a postfix set between redraws showed the count of the last one
-    (0/12 through a whole tiny Llama run)."""
-
-    def __iter__(self) -> Iterator[int]:
-      for step in self.iterable:
-        self.update()
-        yield step
-
-  bar = StepBar(steps, initial=steps.start - 1, total=total, desc="train", unit="step",
-                mininterval=1.0, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
-                "{n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
-  _BARS.add(bar)
-  return bar
-
-
-# The bars open: a run that ends on a failed write closes them before its message.
-_BARS: weakref.WeakSet[Any] = weakref.WeakSet()
+  # A damaged last step is rejected by the resume, which then trains from the one before.
+  if step == steps and jax.process_count() == 1 and Checkpoints(directory).intact(step):
+    print(f"--resume: the checkpoint in {directory} is at step {step}, the run's last "
+          f"(--steps {steps}): nothing left to train; nothing was built or written."
+          + (f" {finished}" if finished else ""))
+    sys.exit(0)
 
 
 def params_digest(params: Any) -> str:

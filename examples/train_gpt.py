@@ -46,9 +46,9 @@ from flax import nnx
 import jaxgraph as jg
 import jaxgraph.flax as jgf
 import vocabulary as vocab_lib
-from common import (Checkpoints, Corpus, Streams, check_out, check_resume, params_digest, plot,
-                    progress_bar, resume_command, run_parser, stream_keys, stream_positions,
-                    write_json)
+from common import (Checkpoints, Corpus, Streams, check_out, check_resume, check_steps,
+                    params_digest, plot, progress_bar, resume_command, run_parser, stream_keys,
+                    stream_positions, write_json)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
@@ -314,9 +314,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   for name in ("seed", "sample"):
     if getattr(args, name) < 0:
       parser.error(f"--{name} takes a number >= 0, got {getattr(args, name)}")
+  total = args.steps or PRESETS[args.preset].steps
+  check_steps(parser, args, total)
   check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   if args.resume:
-    total = args.steps or PRESETS[args.preset].steps
     check_resume(parser, args.out, run_config(args), total, min(total, args.stop_after or total))
   return args
 
@@ -365,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   # like params).
   update = make_update(tx).lower(params, opt_state, params).compile()
 
-  checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command)
+  checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
+                                    keep=args.keep_checkpoints)
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []
   if args.resume:
@@ -449,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_json(metrics_path, result, indent=1)
   print(f"final loss {result['final_loss']:.4f} after step {stop}; "
         f"{result['tokens_per_second'] or 0:,.0f} tok/s; wrote {args.out / 'loss.png'}, "
-        f"{metrics_path}, {checkpoints.directory}")
+        f"{metrics_path}, {checkpoints.directory} ({checkpoints.kept()})")
   if args.sample:
     print("sample:\n" + sample(model, params, corpus, args.sample, args.seed))
   if stop < total:

@@ -17,6 +17,7 @@ from jaxgraph.capture import ConstantWeightWarning
 from jaxgraph.chain import sequential_vjp
 from jaxgraph.graphed import GraphedCallable, Pullback, Stats
 from jaxgraph.hooks import HookEvent, Hooks, is_capturing
+from jaxgraph.pullback import combine, partition
 
 __version__ = "0.1.0"
 
@@ -31,12 +32,14 @@ __all__ = [
     "Hooks",
     "Pullback",
     "Stats",
+    "combine",
     "flax",
     "flat",
     "fsdp",
     "is_capturing",
     "make_graphed",
     "offload",
+    "partition",
     "residuals",
     "schedule",
     "sequential_vjp",

@@ -652,9 +652,10 @@ def make_graphed(
       capture, with the arguments under a JAX transformation). One mask for every
       callable. The backward computes nothing for a leaf the mask leaves out (no weight
       gradient matmul, and the forward keeps no residual only that gradient would read);
-      its gradient is a float0 zero, as an integer leaf's is (`jax.vjp`). Under a user's
-      transformation those leaves are `jax.lax.stop_gradient`ed. None (the default): every
-      float leaf.
+      its gradient is a float0 zero, as an integer leaf's is (`jax.vjp`), which no
+      optimizer takes: `jaxgraph.partition` splits params and grads by the same mask so
+      that Optax goes over the trainable part. Under a user's transformation those leaves
+      are `jax.lax.stop_gradient`ed. None (the default): every float leaf.
     offload_residuals: keep forward residuals in pinned host memory until the backward; a bool
       or one bool per callable (`jaxgraph.offload.plan` picks them from measured times).
       Results are bitwise those without offload (docs/offload.md).

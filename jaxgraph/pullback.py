@@ -5,6 +5,10 @@ A pullback holds what its backward needs (forward inputs and outputs the backwar
 kept residuals, the derived key), and the forward's arguments only where backward hooks will
 read them; calling it replays the backward executable once and assembles one gradient per
 positional argument, like `jax.vjp`.
+
+With `grad_mask` (`mask_flags`, `masked_vjp`) the leaves left out get float0 gradients;
+`partition` and `combine` split a tree by such a mask, so that an optimizer goes over the
+trainable part only.
 """
 
 from __future__ import annotations
@@ -81,13 +85,87 @@ def mask_flags(grad_mask: Any, args: tuple[Any, ...]) -> tuple[bool, ...] | None
     raise TypeError(f"grad_mask must hold bools (True: gradient), got {bad[0]!r}; e.g. "
                     f"{example}.")
   try:
-    per_leaf = jax.tree.map(lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)),
-                            prefix, tuple(args))
+    return _broadcast(prefix, tuple(args))
   except ValueError as e:
     where = str(e).replace("tree_map tree", "args")  # JAX's name of the tree, here args
     raise ValueError(f"grad_mask does not fit the positional arguments: it must be a pytree "
                      f"prefix of them, e.g. {example}. JAX says: {where}") from None
+
+
+def _broadcast(prefix: Any, tree: Any) -> tuple[bool, ...]:
+  """One bool per leaf of `tree`: the bool of `prefix` sitting over it (a ValueError from
+  JAX when `prefix` is not a pytree prefix of `tree`)."""
+  per_leaf = jax.tree.map(lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)),
+                          prefix, tree)
   return tuple(jax.tree.leaves(per_leaf))
+
+
+def partition(tree: Any, mask: Any) -> tuple[Any, Any]:
+  """Splits `tree` into its trainable part and its frozen part, by a mask like `grad_mask`'s.
+
+  For training a frozen base (LoRA) with an optimizer over the trainable part only, as
+  Equinox's `eqx.partition` does: both parts keep `tree`'s structure, with None where the
+  other part holds the leaf, and Optax takes a tree with None holes as one without those
+  leaves (`tx.init`, `tx.update`, `optax.apply_updates`, global-norm clipping). So AdamW
+  keeps no moments for a frozen leaf and never decays it, and the `float0` gradients a
+  `grad_mask` gives the frozen leaves are dropped with the frozen part:
+
+    trainable, frozen = jg.partition(params, params_mask)
+    opt_state = tx.init(trainable)
+    grads, _ = jg.partition(param_grads, params_mask)     # the float0 leaves go to `_`
+    updates, opt_state = tx.update(grads, opt_state, trainable)
+    params = jg.combine(optax.apply_updates(trainable, updates), frozen)
+
+  Works eagerly and under `jax.jit` (it moves no data).
+
+  Args:
+    tree: a pytree: the params of a layer, a list of them, their gradients (a `FlatTree`
+      is split by buffer, an `nnx.State` by variable).
+    mask: a pytree prefix of `tree` with bool leaves (True: trainable), each covering the
+      subtree it sits over, or a function of `tree` returning one: for one argument, what
+      `make_graphed(..., grad_mask=...)` holds for it (`{"w": False, "lora": True}`,
+      `jg.flat.mask(params, lambda group: group == "lora")`, ...).
+
+  Returns:
+    `(trainable, frozen)`; `combine(trainable, frozen)` is `tree` again.
+
+  Raises:
+    TypeError: for a leaf of the mask that is not a bool.
+    ValueError: for a mask whose structure is not a prefix of `tree`'s.
+  """
+  prefix = mask(tree) if callable(mask) else mask
+  bad = [leaf for leaf in jax.tree.leaves(prefix) if not _is_flag(leaf)]
+  if bad:
+    raise TypeError(f"partition: the mask must hold bools (True: trainable), got {bad[0]!r}; "
+                    "e.g. {'w': False, 'lora': True} over params {'w': ..., 'lora': ...}.")
+  try:
+    flags = _broadcast(prefix, tree)
+  except ValueError as e:
+    where = str(e).replace("tree_map tree", "tree")
+    raise ValueError("partition: the mask does not fit the tree: it must be a pytree prefix "
+                     "of it (a bool per leaf or per subtree), as for one argument of "
+                     f"grad_mask. JAX says: {where}") from None
+  leaves, treedef = jax.tree.flatten(tree)
+  trainable = [leaf if flag else None for leaf, flag in zip(leaves, flags)]
+  frozen = [None if flag else leaf for leaf, flag in zip(leaves, flags)]
+  return jax.tree.unflatten(treedef, trainable), jax.tree.unflatten(treedef, frozen)
+
+
+def combine(*trees: Any) -> Any:
+  """The parts `partition` split a tree into, put back together: each leaf taken from the
+  first of `trees` that holds one (not None) there.
+
+  Raises:
+    ValueError: if the trees do not share one structure (parts of different trees).
+  """
+  def first(*leaves: Any) -> Any:
+    return next((leaf for leaf in leaves if leaf is not None), None)
+
+  try:
+    return jax.tree.map(first, *trees, is_leaf=lambda leaf: leaf is None)
+  except ValueError as e:
+    raise ValueError("combine: the parts do not share one structure; pass the parts "
+                     f"`partition` split one tree into. JAX says: {e}") from None
 
 
 def check_carry(layers: Sequence[Any], params: Sequence[Any], x: Any, *rest: Any,

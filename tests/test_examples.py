@@ -243,6 +243,85 @@ def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, en
   assert step == 4 and meta["vocabulary"] == vocabulary
 
 
+def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
+  """A tiny run, then `--lora 4 --init-from` it into an --out of its own: the base params
+  (the run's last checkpoint) stay bitwise what they were, in the checkpoint and by digest
+  before and after; the adapters train (Optax over them only) and the held-out loss drops
+  from the loaded model's; a LoRA run resumed from its step-10 checkpoint ends bit for bit
+  as the uninterrupted one."""
+  base, tuned, resumed = tmp_path / "base", tmp_path / "lora", tmp_path / "resumed"
+  tiny = ["--preset", "tiny", "--generate", "0"]
+  _run("llama/train.py", env, *tiny, "--out", str(base))
+  lora = [*tiny, "--init-from", str(base), "--lora", "4"]
+  out = _run("llama/train.py", env, *lora, "--generate", "4", "--out", str(tuned))
+  trained = json.loads((base / "metrics.json").read_text())
+  metrics = json.loads((tuned / "metrics.json").read_text())
+  start = metrics["fine_tuning"]
+  assert start["init_step"] == 12 and start["lora_rank"] == 4
+  assert start["params_sha256"] == trained["params_sha256"]  # the run's last params, loaded
+  assert start["base_params_sha256"] == start["base_params_sha256_after"] == (
+      trained["params_sha256"])  # the same bytes: the base buffers are the run's
+  assert "bitwise as loaded" in out and "the base frozen (grad_mask)" in out
+  shape = llama.presets.PRESETS["tiny"]
+  w, h, kv = shape.width, shape.hidden, shape.kv_heads * (shape.width // shape.heads)
+  shapes = [(w, w), (w, kv), (w, kv), (w, w), (w, h), (w, h), (h, w)]  # q k v out gate up down
+  assert start["trained_params"] == shape.depth * sum(4 * (i + o) for i, o in shapes)
+  # The held-out loss at step 0 is the loaded model's (B = 0: the adapters add nothing), and
+  # drops; the train losses are the LoRA run's own.
+  eval_losses = metrics["eval_losses"]
+  assert [step for step, _ in eval_losses] == [0, 6, 12]
+  if jax.default_backend() == "cpu":  # a program with the adapters' matmuls added: bitwise
+    assert eval_losses[0][1] == trained["eval_losses"][-1][1]
+  assert eval_losses[-1][1] < eval_losses[0][1]
+  assert len(metrics["losses"]) == 12 and metrics["generation"]["continuation"]
+  # In the checkpoint: the base buffers bitwise the run's, the adapters trained.
+  params, base_params = _final_params(tuned, 12), _final_params(base, 12)
+  for path, value in base_params.items():
+    assert np.array_equal(params[path], value), path
+  adapters = [path for path in params if "lora" in path]
+  assert adapters == ["[1]['lora.float32']", "[2]['lora.float32']"]
+  assert all(np.any(params[path] != 0) for path in adapters)
+
+  shutil.copytree(tuned, resumed)
+  shutil.rmtree(resumed / "checkpoints" / "12")  # as if stopped after step 10's checkpoint
+  base.rename(tmp_path / "moved")  # its checkpoints hold the params: no base run needed
+  out = _run("llama/train.py", env, *lora, "--out", str(resumed), "--resume")
+  assert "resumed from step 10" in out
+  again = json.loads((resumed / "metrics.json").read_text())
+  assert again["losses"] == metrics["losses"] and again["eval_losses"] == eval_losses
+  assert again["params_sha256"] == metrics["params_sha256"]
+  assert again["fine_tuning"] == start
+
+
+def test_llama_lora_and_init_from_flags_are_checked_first(llama, common, capsys, tmp_path):
+  def refused(*flags: str) -> str:
+    with pytest.raises(SystemExit) as exit:
+      llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "out"), *flags])
+    assert exit.value.code == 2
+    return capsys.readouterr().err
+
+  run = tmp_path / "run"
+  assert "--lora RANK fine-tunes a trained run: pass --init-from RUN_DIR" in refused(
+      "--lora", "4")
+  assert "--lora takes a rank >= 1, got 0" in refused("--lora", "0", "--init-from", str(run))
+  for flags, dropped in ((["--whole-step"], "--whole-step"), (["--check"], "--check"),
+                         (["--offload", "all"], "--offload"), (["--fsdp", "2"], "--fsdp")):
+    assert f"{dropped} is not supported with it: drop {dropped}" in refused(
+        "--init-from", str(run), "--lora", "4", *flags)
+  assert f"--init-from: no intact checkpoint in {run / 'checkpoints'}" in refused(
+      "--init-from", str(run))
+  assert "is this run's --out" in refused("--init-from", str(tmp_path / "out"))
+  args = llama.cli.parse(["--preset", "tiny", "--out", str(run)])
+  meta = {"config": llama.checkpoints.run_config(args, llama.presets.resolve(args))}
+  common.Checkpoints(run / "checkpoints").save(12, *_state(1.0), {**meta, "losses": [1.0] * 12})
+  assert ("--init-from loads params of another model or layout than this run's: --untied "
+          f"True (the run in {run}: False), --flat False (the run in {run}: True)") in refused(
+              "--init-from", str(run), "--untied", "--no-flat")
+  args = llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "out"), "--init-from",
+                          str(run), "--lora", "4"])
+  assert args.check is False  # a LoRA run is not --check'ed, whatever the preset
+
+
 # ------------------------------------------------- the numbers of earlier versions, pinned
 
 
@@ -542,6 +621,18 @@ def _corrupt(kind: str, step: pathlib.Path) -> None:
     step.mkdir()
   elif kind == "empty_meta":
     (step / "meta" / "metadata").write_bytes(b"")
+  elif kind == "meta_loss_digit":  # one digit of a saved loss changed: the JSON still reads
+    _edit_meta(step, lambda text: text.replace("1.25", "1.75", 1))
+  elif kind == "meta_seed_bit":  # one bit of the saved seed flipped: "seed": 0 reads as 1
+    _edit_meta(step, lambda text: text.replace('"seed": 0', '"seed": 1', 1))
+
+
+def _edit_meta(step: pathlib.Path, edit: Any) -> None:
+  """Rewrites the metadata file of an Orbax step with `edit(text)` (which must change it)."""
+  path = step / "meta" / "metadata"
+  text = path.read_text()
+  assert edit(text) != text
+  path.write_text(edit(text))
 
 
 # What each damage reads as: tensorstore's reason, not Orbax's wrapper around it (whose text
@@ -549,15 +640,25 @@ def _corrupt(kind: str, step: pathlib.Path) -> None:
 # small state fail decompression; elsewhere only the digests tell.
 DAMAGE = {"flipped": r"does not match its digests|ValueError: DATA_LOSS",
           "truncated": "ValueError: OUT_OF_RANGE", "deleted": "ValueError: NOT_FOUND",
-          "empty_dir": 'KeyError: .Item "meta" was not found', "empty_meta": "JSONDecodeError"}
+          "empty_dir": 'KeyError: .Item "meta" was not found', "empty_meta": "JSONDecodeError",
+          "meta_loss_digit": "has metadata that does not match its digest",
+          "meta_seed_bit": "has metadata that does not match its digest"}
+
+
+def _meta(step: int) -> dict[str, Any]:
+  """A run's metadata at `step`: its config (seed 0) and one training loss per step."""
+  return {"config": {"seed": 0}, "losses": [1.25] * step}
 
 
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 def test_corrupt_latest_checkpoint_is_named_and_the_previous_restored(common, tmp_path, kind):
   checkpoints = common.Checkpoints(tmp_path / "checkpoints")
   for step in (10, 20):
-    checkpoints.save(step, *_state(float(step)), {"losses": [1.0] * step})
+    checkpoints.save(step, *_state(float(step)), _meta(step))
   _corrupt(kind, tmp_path / "checkpoints" / "20")
+  # The look before anything is built reads the newest step whose metadata is whole.
+  latest = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
+  assert latest[0] == (20 if kind in ("flipped", "truncated", "deleted") else 10)
   with pytest.warns(common.CheckpointWarning,
                     match=r"checkpoint step 20 in .*; resuming from step 10 instead") as found:
     restored = common.Checkpoints(tmp_path / "checkpoints").restore(*_state(0.0))
@@ -568,13 +669,45 @@ def test_corrupt_latest_checkpoint_is_named_and_the_previous_restored(common, tm
   assert np.all(np.asarray(restored.params["w"]) == 10.0)
   assert restored.streams[0][1] == 4
   # The rejected step is out of the way: saving step 20 again works.
-  common.Checkpoints(tmp_path / "checkpoints").save(20, *_state(20.0), {"losses": []})
+  common.Checkpoints(tmp_path / "checkpoints").save(20, *_state(20.0), _meta(20))
   assert (tmp_path / "checkpoints-rejected" / "20").is_dir()
+
+
+def test_a_history_that_does_not_fit_its_step_is_rejected(common, tmp_path):
+  """A loss dropped from a step's metadata: with the metadata's digest, the digest tells;
+  in a step saved before metadata digests (none in it), the count of losses does."""
+  checkpoints = common.Checkpoints(tmp_path / "checkpoints", keep=3)
+  for step in (10, 20, 30):
+    checkpoints.save(step, *_state(float(step)), _meta(step))
+  for step, keep_digest in ((30, True), (20, False)):
+    path = tmp_path / "checkpoints" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    meta["losses"].pop()
+    if not keep_digest:
+      del meta[common.META_DIGEST]
+    path.write_text(json.dumps(meta))
+  with pytest.warns(common.CheckpointWarning) as found:
+    restored = common.Checkpoints(tmp_path / "checkpoints").restore(*_state(0.0))
+  assert restored.step == 10 and len(restored.meta["losses"]) == 10
+  assert [str(w.message).split(";")[0] for w in found] == [
+      f"checkpoint step 30 in {tmp_path / 'checkpoints'} has metadata that does not match its "
+      "digest (its config, loss history or array digests were changed after the save)",
+      f"checkpoint step 20 in {tmp_path / 'checkpoints'} has metadata holding 19 training "
+      "losses for its 20 steps"]
+
+
+def test_the_newest_checkpoints_are_kept_as_asked(common, tmp_path):
+  checkpoints = common.Checkpoints.for_run(tmp_path, fresh=False, command="", keep=3)
+  for step in (10, 20, 30, 40):
+    checkpoints.save(step, *_state(float(step)), _meta(step))
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [20, 30, 40]
+  assert checkpoints.kept() == "the newest 3 steps kept: --keep-checkpoints N keeps more"
+  assert common.Checkpoints(tmp_path / "other").kept().startswith("the newest 2 steps kept")
 
 
 def test_no_intact_checkpoint_is_one_error(common, tmp_path):
   checkpoints = common.Checkpoints(tmp_path / "checkpoints")
-  checkpoints.save(10, *_state(1.0), {"losses": []})
+  checkpoints.save(10, *_state(1.0), _meta(10))
   _flip_bytes(tmp_path / "checkpoints" / "10")
   with pytest.raises(common.NoCheckpoint,
                      match=r"restores intact: step 10 .* start afresh with --fresh instead "
@@ -630,12 +763,16 @@ def test_metrics_json_is_written_atomically(common, tmp_path, monkeypatch):
                                            "graphed blocks: drop one of them"),
     (["--offload", "all", "--fuse"], "--fuse replays the blocks as one executable"),
     (["--offload", "slowdown=5%", "--fsdp", "2"], "--fsdp shards the blocks over devices"),
+    (["--stop-after", "13"], r"--stop-after 13 is past the run's last step \(--steps 12\): "
+                             "pass a --stop-after of at most 12"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints takes a number >= 1"),
 ], ids=["seed", "dropout", "negative_dropout", "generate", "temperature", "rounds",
         "round_steps", "whole_step_check", "whole_step_fuse", "fuse_zero", "fuse_word",
         "cudnn_float32", "batch", "fsdp_zero", "fsdp_batch",
         "fsdp_no_flat", "fsdp_devices", "coordinator_alone", "processes_without_fsdp",
         "process_id", "context", "vocab", "offload_spelling", "offload_unit",
-        "offload_slowdown", "offload_whole_step", "offload_fuse", "offload_fsdp"])
+        "offload_slowdown", "offload_whole_step", "offload_fuse", "offload_fsdp",
+        "stop_after_past_steps", "keep_checkpoints"])
 def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):
   with pytest.raises(SystemExit) as exit:
     llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path), *flags])
@@ -680,6 +817,73 @@ def test_llama_resume_checks_the_checkpoints_step_and_config(llama, common, caps
           "jg.flat.split's)") in refused(*fsdp_run[len(run):])
   common.Checkpoints(tmp_path / "checkpoints").save(32, *_state(1.0), {"config": sharded})
   llama.cli.parse(fsdp_run)  # this layout: the same run
+
+
+def test_llama_resume_reads_verified_metadata_and_stops_a_finished_run_first(llama, common,
+                                                                             capsys, tmp_path):
+  """A flipped bit in the newest step's saved seed: its metadata fails its digest, so the
+  look before anything is built compares the step before it (which the resume will
+  restore), and names the seed that run trained with. An intact step at --steps: nothing
+  left to train, said before anything is built; with that step damaged, the resume goes on
+  (it trains from the step before)."""
+  run = ["--preset", "tiny", "--out", str(tmp_path), "--resume", "--steps", "40"]
+  args = llama.cli.parse(run)
+  meta = {"config": llama.checkpoints.run_config(args, llama.presets.resolve(args))}
+  checkpoints = common.Checkpoints(tmp_path / "checkpoints")
+  for step in (30, 40):
+    checkpoints.save(step, *_state(float(step)), {**meta, "losses": [1.25] * step})
+  _corrupt("meta_seed_bit", tmp_path / "checkpoints" / "40")
+  with pytest.raises(SystemExit):
+    llama.cli.parse([*run, "--seed", "1"])
+  assert "--seed 1 (the checkpoint's run: 0)" in capsys.readouterr().err
+  assert llama.cli.parse(run).seed == 0  # step 30's run: resumes (step 40 rejected then)
+
+  finished = tmp_path / "finished"
+  common.Checkpoints(finished / "checkpoints").save(40, *_state(1.0),
+                                                    {**meta, "losses": [1.25] * 40})
+  (finished / "metrics.json").write_text("{}")
+  with pytest.raises(SystemExit) as exit:
+    llama.cli.parse([*run[:2], "--out", str(finished), *run[4:]])
+  assert exit.value.code in (0, None)
+  assert capsys.readouterr().out.strip() == (
+      f"--resume: the checkpoint in {finished / 'checkpoints'} is at step 40, the run's last "
+      "(--steps 40): nothing left to train; nothing was built or written. To train on from "
+      f"its params, start a new run from it: --init-from {finished} and another --out")
+  assert (finished / "metrics.json").read_text() == "{}"
+  _flip_bytes(finished / "checkpoints" / "40")
+  llama.cli.parse([*run[:2], "--out", str(finished), *run[4:]])  # goes on to the resume
+
+
+OTHER_SHAPES = """
+import pathlib, sys
+import jax, numpy as np
+sys.path.insert(0, sys.argv[2])
+import common
+out = pathlib.Path(sys.argv[1])
+key = [(jax.random.key(0), 4)]
+for step in (10, 20):
+  common.Checkpoints(out).save(step, {"w": np.ones((64, 64), np.float32), "b": np.ones(64)}, {},
+                               key, {"losses": [1.0] * step})
+common.Checkpoints(out).resume({"w": np.ones((64, 32), np.float32), "b": np.ones(64)}, {}, key)
+"""
+
+
+def test_a_resume_of_a_model_of_other_shapes_is_one_message(tmp_path):
+  """A resume whose model has other shapes (a width, hidden size or kv heads changed) than
+  the one that saved the checkpoints: one line naming the arrays, no TensorStore
+  tracebacks (it used to read each array and fail, 12-27 of them printed), nothing moved."""
+  result = subprocess.run([sys.executable, "-c", OTHER_SHAPES, str(tmp_path), str(EXAMPLES)],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1 and result.stdout == ""
+  (line,) = result.stderr.strip().splitlines()
+  shapes = ("holds arrays of other shapes than this run's model: ['params']['w'] is "
+            "float32[64, 64] there, float32[64, 32] here; it was saved by a model of another "
+            "shape (width, hidden, heads or vocabulary)")
+  assert line == (f"--resume: no checkpoint in {tmp_path} restores intact: step 20 {shapes}; "
+                  f"step 10 {shapes}. The steps are left in place: resume with the model "
+                  "(code, preset and flags) that saved them, or start afresh with --fresh "
+                  "instead of --resume (they are moved aside, not deleted)")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["10", "20"]
 
 
 # ------------------------------------------------------------ --out: nothing deleted, faults
@@ -844,12 +1048,42 @@ def test_a_full_disk_during_a_save_prints_one_message_and_nothing_else(tmp_path)
                        "on its disk, continue with: python train.py --resume")
 
 
+def test_llama_on_a_full_disk_ends_in_one_message(tmp_path, env):
+  """The tiny Llama run on a disk with room for one and a half checkpoints: step 10 saves,
+  step 12 fails part-way. One message, no traceback (it was 87 lines with 11 tracebacks:
+  Orbax's writes still in flight calling into its closed event loop, and asyncio's log of
+  their futures at exit)."""
+  page = 4096  # tmpfs holds whole pages
+  step_bytes = sum(-(-f.stat().st_size // page) * page
+                   for f in (llama_golden.CHECKPOINT / "10").rglob("*") if f.is_file())
+  disk = tmp_path / "disk"
+  _small_disk(disk, f"{step_bytes * 3 // 2 // 1024}k")
+  try:
+    result = subprocess.run([sys.executable, str(EXAMPLES / "llama" / "train.py"), "--preset",
+                             "tiny", "--generate", "0", "--out", str(disk / "run")], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert (disk / "run" / "checkpoints" / "10").is_dir()
+  finally:
+    subprocess.run(["umount", str(disk)], check=True)
+  out = result.stdout + result.stderr
+  assert result.returncode == 1, out
+  for noise in ("Traceback", "Event loop is closed", "never retrieved", "Exception ignored"):
+    assert noise not in out, out
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"could not save checkpoint step 12 in {disk / 'run' / 'checkpoints'}"
+                         ": ValueError: RESOURCE_EXHAUSTED: ") and "No space left on device" in last
+  assert re.search(re.escape(f"The last step saved is 10 ({disk / 'run' / 'checkpoints' / '10'}"
+                             "); free space on its disk, continue with: python ") + r"\S+"
+                   + re.escape(f"train.py --preset tiny --generate 0 --out {disk / 'run'} "
+                               "--resume") + "$", last), last
+
+
 def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(common,
                                                                            monkeypatch):
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", seen.append)
-  common._quiet_closed_loops()
-  common._quiet_closed_loops()  # once is enough: not wrapped twice
+  common.quiet_closed_loops()
+  common.quiet_closed_loops()  # once is enough: not wrapped twice
   hook = sys.unraisablehook
   assert hook.__closure__[0].cell_contents == seen.append
 

@@ -367,3 +367,74 @@ def test_fallback_and_transformations_follow_the_mask():
   grads = jax.jit(jax.grad(lambda p: jnp.sum(layer(p, X) * CT)))(p)
   assert not np.any(grads["up"]["w"]) and not np.any(grads["down"]["w"])
   close(trainable(grads), trainable(_ref_vjp(p, X, CT)[0]))
+
+
+# ------------------------------------------- the optimizer over the trainable part: partition
+
+
+def adapters_only(tree: Any) -> dict[str, Any]:
+  """The adapters of a params tree (or of its grads) as a tree of their own, without `w`."""
+  return {name: {"a": part["a"], "b": part["b"]} for name, part in tree.items()}
+
+
+def test_optax_adamw_trains_the_trainable_part_and_never_touches_the_frozen_one():
+  """`jg.partition` by the params' mask: AdamW (with weight decay and a global-norm clip)
+  over the trainable part keeps moments for the adapters only, the float0 grads go with
+  the frozen part, and `jg.combine` puts the params back together. Over three steps the
+  base weights stay bitwise what they were (decay never reaches them) and the adapters
+  are those of the same optimizer run on a tree of the adapters alone, with `jax.vjp`'s
+  gradients."""
+  import optax
+
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.5))
+  p = base = init()
+  layer = jg.make_graphed(lora_block, sample_args=(p, X), grad_mask=MASK, num_warmup_iters=0)
+  trainable_part, frozen = jg.partition(p, PARAMS_MASK)
+  opt_state = tx.init(trainable_part)
+  assert len(jax.tree.leaves(opt_state)) == 1 + 2 * 4  # the count, mu and nu of a and b
+  ref = adapters_only(p)
+  ref_state = tx.init(ref)
+  for _ in range(3):
+    g_p, _ = layer.vjp(p, X)[1](CT)
+    g_trainable, g_frozen = jg.partition(g_p, PARAMS_MASK)
+    assert all(leaf.dtype == jax.dtypes.float0 for leaf in jax.tree.leaves(g_frozen))
+    updates, opt_state = tx.update(g_trainable, opt_state, trainable_part)
+    trainable_part = optax.apply_updates(trainable_part, updates)
+    p = jg.combine(trainable_part, frozen)
+    ref_params = {name: {**ref[name], "w": base[name]["w"]} for name in ref}
+    ref_grads = adapters_only(_ref_vjp(ref_params, X, CT)[0])
+    ref_updates, ref_state = tx.update(ref_grads, ref_state, ref)
+    ref = optax.apply_updates(ref, ref_updates)
+  assert jax.tree.structure(p) == jax.tree.structure(init())
+  for name in ("up", "down"):
+    assert np.array_equal(p[name]["w"], base[name]["w"])  # bitwise: never updated
+  close(adapters_only(p), ref)
+  assert not trees_equal(adapters_only(p), adapters_only(base))  # they trained
+
+
+def test_partition_splits_flat_buffers_and_states_and_takes_a_mask_function():
+  """A FlatTree splits by buffer (`jg.flat.mask`), also under `jax.jit` and with the mask
+  given as a function of the tree; a prefix bool covers a whole subtree; `combine` gives
+  the tree back."""
+  p = init()
+  flat = jg.flat.ravel(p, group=lambda path, leaf: "frozen" if path[-1].key == "w" else "lora")
+  by_group = lambda tree: jg.flat.mask(tree, lambda group: group == "lora")
+  trainable_part, frozen = jax.jit(lambda t: jg.partition(t, by_group))(flat)
+  names = [spec.name for spec in flat.layout.buffers]
+  assert [b is None for b in trainable_part.buffers] == [n == "frozen.float32" for n in names]
+  assert [b is None for b in frozen.buffers] == [n == "lora.float32" for n in names]
+  assert trees_equal(jg.combine(trainable_part, frozen), flat)
+  up_only, rest = jg.partition(p, {"up": True, "down": False})
+  assert up_only["down"] == {"a": None, "b": None, "w": None}
+  assert trees_equal(jg.combine(up_only, rest), p)
+
+
+def test_partition_and_combine_name_a_mask_or_parts_that_do_not_fit():
+  p = init()
+  with pytest.raises(TypeError, match=r"partition: the mask must hold bools .* got 1"):
+    jg.partition(p, {"up": 1, "down": True})
+  with pytest.raises(ValueError, match="partition: the mask does not fit the tree: it must be "
+                                       "a pytree prefix of it"):
+    jg.partition(p, {"up": True})
+  with pytest.raises(ValueError, match="combine: the parts do not share one structure"):
+    jg.combine(jg.partition(p, PARAMS_MASK)[0], {"up": None})

@@ -13,6 +13,7 @@
   memory.py       device memory: peak, training state, a preset's estimate
   offload.py      --offload: its spellings, the blocks measured, the plan
   generation.py   generation with a KV cache (prefill, decode)
+  lora.py         --init-from, --lora: fine-tuning a trained run, LoRA adapters over it
   checkpoints.py  what checkpoints hold beside the state; --resume's checks and restore
   cli.py          the flags, checked before anything is built
 

@@ -27,9 +27,10 @@ def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
   compared by --resume (how tokens/s is measured, --check, --offload and generation are left
   out: they change no result). `fsdp`, `batch`, `context`, `text` and `vocab` are None where
   not given (or given as the preset's), as in checkpoints written before those flags, which
-  therefore still resume. With --fsdp the flat buffers' layout is saved beside N: a
-  checkpoint of buffers in another layout holds the same shapes in another order, and must
-  not resume. The vocabulary itself is compared by its digest (`check_vocabulary`)."""
+  therefore still resume; so are `init_from` and `lora` (lora.py). With --fsdp the flat
+  buffers' layout is saved beside N: a checkpoint of buffers in another layout holds the same
+  shapes in another order, and must not resume. The vocabulary itself is compared by its
+  digest (`check_vocabulary`)."""
   return {"preset": args.preset, "steps": preset.steps, "seed": args.seed,
           "dropout": preset.dropout, "microbatches": preset.microbatches,
           "attention": preset.attention, "dtype": args.dtype, "untied": args.untied,
@@ -38,7 +39,10 @@ def run_config(args: argparse.Namespace, preset: Preset) -> dict[str, Any]:
           "fsdp": {"devices": args.fsdp, "layout": FSDP_LAYOUT} if args.fsdp else None,
           "batch": args.batch,
           "fuse": args.fuse,  # None when off, True for whole runs, K for segments
-          "context": args.context, "text": args.text, "vocab": args.vocab}
+          "context": args.context, "text": args.text, "vocab": args.vocab,
+          # None without them, as in checkpoints written before these flags (lora.py)
+          "init_from": None if args.init_from is None else str(args.init_from.absolute()),
+          "lora": args.lora}
 
 
 def shown_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -57,10 +61,11 @@ def shown_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_vocabulary(parser: argparse.ArgumentParser, out: pathlib.Path, preset: Preset,
-                     cache: pathlib.Path) -> None:
-  """With --resume: refuses (`parser.error`) a checkpoint trained with another vocabulary
-  (tokenizer digest) than this run's, naming both. Checkpoints written before vocabularies
-  were recorded used the fables' characters."""
+                     cache: pathlib.Path, flag: str = "--resume") -> None:
+  """With --resume (or --init-from: `flag`, and the run it names as `out`): refuses
+  (`parser.error`) a checkpoint trained with another vocabulary (tokenizer digest) than
+  this run's, naming both. Checkpoints written before vocabularies were recorded used the
+  fables' characters."""
   directory = out / "checkpoints"
   latest = Checkpoints(directory).latest_meta() if directory.is_dir() else None
   if latest is None:
@@ -69,21 +74,23 @@ def check_vocabulary(parser: argparse.ArgumentParser, out: pathlib.Path, preset:
       vocab_lib.fables(), vocab_lib.Characters(vocab_lib.fables()))
   ours = vocabulary_record(*load_vocabulary(preset, cache))
   if saved["digest"] != ours["digest"]:
-    parser.error(f"--resume: the checkpoint in {directory} was trained with "
+    parser.error(f"{flag}: the checkpoint in {directory} was trained with "
                  f"{describe_vocabulary(saved)}; this run's vocabulary is "
                  f"{describe_vocabulary(ours)}. Token ids mean other things under another "
                  "vocabulary: resume where the checkpoint's text and tokenizer are (the same "
                  f"Python for the standard library; its tokenizer file: "
                  f"{saved.get('file', 'none, characters')}), or start a new run with another "
-                 "--out (or without --resume)")
+                 f"--out (or without {flag})")
 
 
 
-def metadata(args: argparse.Namespace, preset: Preset, vocabulary: dict[str, Any]
-             ) -> dict[str, Any]:
+def metadata(args: argparse.Namespace, preset: Preset, vocabulary: dict[str, Any],
+             fine_tuning: dict[str, Any] | None = None) -> dict[str, Any]:
   """What every checkpoint of the run saves beside its state and loss history: the run's
-  config and its vocabulary (`vocabulary_record`), which --resume compares."""
-  return {"config": run_config(args, preset), "vocabulary": vocabulary}
+  config and its vocabulary (`vocabulary_record`), which --resume compares; a fine-tuning
+  run's start (lora.py: the run it loaded, its step and digests)."""
+  return {"config": run_config(args, preset), "vocabulary": vocabulary,
+          **({"fine_tuning": fine_tuning} if fine_tuning else {})}
 
 
 def resume(checkpoints: Checkpoints, trainer: Stepper, params: Params, opt_state: Any
@@ -96,8 +103,7 @@ def resume(checkpoints: Checkpoints, trainer: Stepper, params: Params, opt_state
   if restored is not None:
     first, params, opt_state = restored.step, restored.params, restored.opt_state
     trainer.seed(restored.streams)
-    losses = list(restored.meta["losses"])
+    losses = list(restored.meta["losses"])  # one per step: `Checkpoints` checked it
     eval_losses = [(step, loss) for step, loss in restored.meta["eval_losses"]]
-    assert len(losses) == first, f"step {first} holds {len(losses)} losses"
     print(f"resumed from step {first} ({checkpoints.directory}, digests verified)")
   return first, params, opt_state, losses, eval_losses

@@ -7,9 +7,10 @@ import argparse
 import pathlib
 
 import vocabulary as vocab_lib
-from common import check_out, check_resume, run_parser
+from common import check_out, check_resume, check_steps, run_parser
 
 from .checkpoints import check_vocabulary, run_config, shown_config
+from .lora import check_flags as check_fine_tuning
 from .layers import RESIDUAL_POLICIES
 from .offload import OFFLOAD_CONFLICTS, OffloadSpec, offload_spec
 from .placement import check_fsdp
@@ -111,6 +112,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                            "at most 5%% of the step, 'memory=4GiB' the fastest choice leaving "
                            "at most that much on the device per microbatch; prints the "
                            "measurement per block and the plan (default: none)")
+  parser.add_argument("--init-from", type=pathlib.Path, metavar="RUN_DIR",
+                      help="a new run starting from the params of the newest intact checkpoint "
+                           "of the run in RUN_DIR (its --out; digests verified), written to its "
+                           "own --out: fine-tuning, all params or with --lora adapters only. "
+                           "Pass that run's --preset, --untied, --text, --vocab, --flat and "
+                           "--plain-ends")
+  parser.add_argument("--lora", type=int, metavar="RANK",
+                      help="with --init-from: LoRA, rank-RANK adapters on every block's "
+                           "attention and MLP projections (A random, B zero: the start is the "
+                           "loaded model), trained with AdamW; every other param frozen "
+                           "(grad_mask) and bitwise unchanged")
   parser.add_argument("--generate", type=int, default=48,
                       help="tokens to generate at the end (at most half the context; 0: none)")
   parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -169,11 +181,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if preset.attention == "cudnn" and args.dtype != "bfloat16":
     parser.error("cuDNN attention computes in bf16 or fp16: with --dtype float32 pass "
                  "--attention xla")
+  check_steps(parser, args, preset.steps)
+  check_fine_tuning(parser, args, preset)
   check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   check_fsdp(parser, args, preset)
   if args.resume:
     check_resume(parser, args.out, run_config(args, preset), preset.steps,
-                 min(preset.steps, args.stop_after or preset.steps), shown=shown_config)
+                 min(preset.steps, args.stop_after or preset.steps), shown=shown_config,
+                 finished=f"To train on from its params, start a new run from it: "
+                          f"--init-from {args.out} and another --out")
     check_vocabulary(parser, args.out, preset, args.cache)
   return args
 

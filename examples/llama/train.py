@@ -21,6 +21,9 @@
   ... --context 8192 --batch 2 --vocab 8192 --text stdlib   # tokens per sequence, vocabulary
   ... --offload slowdown=5%   # the blocks' residuals in host memory as jaxgraph.offload.plan
                               # picks them (also: all, memory=4GiB); docs/llama.md
+  ... --init-from runs/llama --lora 8 --out runs/llama-lora   # LoRA fine-tuning of a trained
+                              # run: rank-8 adapters, the base frozen (without --lora: all
+                              # of its params trained on)
 
 Training: fp32 master params and bf16 compute inside each layer; Optax AdamW without decay on
 the norms, global-norm clipping, a warmup-cosine schedule; gradient accumulation over
@@ -63,6 +66,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from common import (Checkpoints, Corpus, params_digest, plot,  # noqa: E402
                     progress_bar, resume_command, write_json)
 from llama import check as check_lib  # noqa: E402
+from llama import lora  # noqa: E402
 from llama.checkpoints import metadata, resume, run_config  # noqa: E402
 from llama.cli import parse  # noqa: E402
 from llama.data import make_corpus, step_batches, vocabulary_record  # noqa: E402
@@ -144,11 +148,12 @@ class Captured(NamedTuple):
 
 def capture(args: argparse.Namespace, preset: Preset, config: Config,
             fns: Sequence[Callable[..., Any]], params: Params, placement: Placement,
-            policy: Callable[..., bool] | None) -> Captured:
+            policy: Callable[..., bool] | None, tuning: lora.FineTuning) -> Captured:
   """Training: forward + backward, dropout keys from each layer's stream (not with
-  --whole-step, which trains through one jax.jit). Eval: a forward-only copy of the same
-  functions without keys (dropout off), for the same shapes. With --offload, the blocks
-  measured and the plan made first."""
+  --whole-step, which trains through one jax.jit); with --lora, no gradients for the frozen
+  params (`grad_mask`). Eval: a forward-only copy of the same functions without keys
+  (dropout off), for the same shapes. With --offload, the blocks measured and the plan made
+  first."""
   graph_ends = not args.plain_ends
   tokens = jax.ShapeDtypeStruct((preset.batch, preset.context), jnp.int32,
                                 sharding=placement.batch)
@@ -169,7 +174,7 @@ def capture(args: argparse.Namespace, preset: Preset, config: Config,
   train_layers = (None if args.whole_step else
                   build_layers(fns, sample_args, graph_ends=graph_ends,
                                rng=jax.random.key(args.seed), remat_policy=policy,
-                               **placement.hooks(),
+                               grad_mask=tuning.grad_mask, **placement.hooks(),
                                **({} if offload is None else offload.options(graph_ends))))
   eval_layers = build_layers(fns, sample_args, graph_ends=graph_ends, inference_only=True,
                              **placement.hooks())
@@ -195,14 +200,15 @@ def capture(args: argparse.Namespace, preset: Preset, config: Config,
 
 def make_step(args: argparse.Namespace, preset: Preset, config: Config,
               fns: Sequence[Callable[..., Any]], params: Params, placement: Placement,
-              corpus: Corpus, captured: Captured, policy: Callable[..., bool] | None
-              ) -> tuple[Any, Any, Stepper]:
-  """The optimizer, its state (sharded like the params with --fsdp) and the training step:
-  the graphed `Trainer`, or with --whole-step the `WholeStep`."""
+              corpus: Corpus, captured: Captured, policy: Callable[..., bool] | None,
+              tuning: lora.FineTuning) -> tuple[Any, Any, Stepper]:
+  """The optimizer, its state (of the params that train; sharded like the params with
+  --fsdp) and the training step: the graphed `Trainer`, or with --whole-step the
+  `WholeStep`."""
   graph_ends = not args.plain_ends
   tx = optimizer(preset, preset.steps)
   if placement.mesh is None:
-    opt_state = tx.init(params)
+    opt_state = tx.init(tuning.trainable(params))
   else:  # made sharded, never whole on one device
     opt_state = placement.jit(tx.init, out_shardings=placement.shardings(
         jax.eval_shape(tx.init, params)))(params)
@@ -216,7 +222,7 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
           f"{trainer.compile_seconds:.1f} s)")
   else:
     trainer = Trainer(captured.train, config, tx, preset.microbatches, params, opt_state,
-                      placement, fuse=args.fuse or False)
+                      placement, fuse=args.fuse or False, masks=tuning.masks)
   return tx, opt_state, trainer
 
 
@@ -230,9 +236,13 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
 
   Losses stay on the device until a round ends or an eval or checkpoint reads them;
   tokens/s is measured per round of steps, without eval and checkpoint time (the timer).
-  `losses` and `eval_losses` (step, held-out loss) grow in place.
+  `losses` and `eval_losses` (step, held-out loss) grow in place; a fine-tuning run's start
+  gets a held-out loss too (step 0: the loaded model's).
   """
   total, positions = preset.steps, captured.positions
+  if first == 0 and "fine_tuning" in meta:
+    eval_losses.append((0, evaluate(captured.eval, params, config, corpus,
+                                    preset.eval_batches, positions)))
   metrics_path = out / "metrics.json"
   writer = jax.process_index() == 0  # metrics.json and loss.png: one process writes them
   tokens_per_step = preset.microbatches * preset.batch * preset.context
@@ -274,9 +284,10 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
 def summarize(args: argparse.Namespace, preset: Preset, params: Params, losses: list[float],
               eval_losses: list[tuple[int, float]], *, first: int, stop: int, count: int,
               timer: RoundTimer, captured: Captured, placement: Placement,
-              vocabulary: dict[str, Any]) -> dict[str, Any]:
+              vocabulary: dict[str, Any], tuning: lora.FineTuning) -> dict[str, Any]:
   """metrics.json's record of the run (--check, --fsdp and generation add to it); prints the
-  trained steps' losses and tokens/s, and the peak device memory where devices keep it."""
+  trained steps' losses and tokens/s, and the peak device memory where devices keep it; a
+  LoRA run's frozen params' digest, then and now."""
   mode = "whole-step jax.jit" if args.whole_step else "graphed"
   offload = captured.offload
   run_steps = stop - first
@@ -291,7 +302,13 @@ def summarize(args: argparse.Namespace, preset: Preset, params: Params, losses: 
       "offload": None if offload is None else offload.summary(),
       "stats": {f"{kind} {layer.name}": layer.stats._asdict()
                 for kind, layers in captured.kinds() for layer in graphed(layers)},
+      **tuning.report(params, placement),
   }
+  tuned = result.get("fine_tuning", {})
+  if "base_params_sha256_after" in tuned:
+    same = tuned["base_params_sha256_after"] == tuned["base_params_sha256"]
+    print(f"--lora: the frozen params' sha256 {tuned['base_params_sha256_after'][:12]}, "
+          + ("bitwise as loaded" if same else "CHANGED since they were loaded"))
   if run_steps:
     held_out = f", held-out {eval_losses[-1][1]:.4f}" if eval_losses else ""
     rate = (f"{describe_rates(loop)} {mode}, after {preset.round_steps} untimed warm-up "
@@ -342,18 +359,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   model, fns, params, count = build_model(args, preset, corpus)
   policy = RESIDUAL_POLICIES[args.residuals]
   params, placement = place(params, args.flat, mesh, model.config.compute_dtype)
+  # --init-from: the params of a trained run; --lora: adapters over them, the rest frozen.
+  fns, params, tuning = lora.start(args, preset, model, fns, params, placement)
 
   # Capture, then the optimizer and the step; with --fsdp, where everything lives.
-  captured = capture(args, preset, model.config, fns, params, placement, policy)
+  captured = capture(args, preset, model.config, fns, params, placement, policy, tuning)
   positions = captured.positions
   tx, opt_state, trainer = make_step(args, preset, model.config, fns, params, placement,
-                                     corpus, captured, policy)
+                                     corpus, captured, policy, tuning)
   sharded = (None if placement.mesh is None else
              fsdp_report(placement, trainer, params, opt_state, corpus, positions, count))
 
   # Checkpoints: --resume continues from the newest intact one.
   checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
-                                    host=placement.host)
+                                    host=placement.host, keep=args.keep_checkpoints)
   first, losses, eval_losses = 0, [], []
   if args.resume:
     first, params, opt_state, losses, eval_losses = resume(checkpoints, trainer, params,
@@ -365,10 +384,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   params, opt_state, timer = train_steps(
       trainer, params, opt_state, losses, eval_losses, first=first, stop=stop, preset=preset,
       config=model.config, corpus=corpus, captured=captured, checkpoints=checkpoints,
-      meta=metadata(args, preset, vocabulary), out=args.out)
+      meta=metadata(args, preset, vocabulary, tuning.meta), out=args.out)
   result = summarize(args, preset, params, losses, eval_losses, first=first, stop=stop,
                      count=count, timer=timer, captured=captured, placement=placement,
-                     vocabulary=vocabulary)
+                     vocabulary=vocabulary, tuning=tuning)
 
   if check and stop > first:
     whole, found, whole_state = check_lib.rerun(
@@ -396,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         graph_ends, min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
     write_metrics(args.out, result, checkpoints)
-  print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, {checkpoints.directory}")
+  print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, {checkpoints.directory} "
+        f"({checkpoints.kept()})")
   if stop < preset.steps:
     print(f"stopped after step {stop} of {preset.steps} (--stop-after); continue with: "
           f"{command}")

@@ -79,26 +79,35 @@ class Stepper(Protocol):
 
 class Trainer:
   """The graphed training step: forwards and backwards replayed per layer, accumulated over
-  the microbatches, one optimizer update (`step`)."""
+  the microbatches, one optimizer update (`step`).
+
+  With `masks` (per part, which params train: LoRA's adapters, lora.py) the grads are summed
+  and the optimizer runs over that part only (`jg.partition`: the frozen params' float0
+  grads are dropped), and the step puts the updated part back beside the frozen one
+  (`jg.combine`); `opt_state` is then the state of the trained part.
+  """
 
   def __init__(self, layers: Sequence[Layer], config: Config, tx: optax.GradientTransformation,
                microbatches: int, params: Params, opt_state: Any,
-               placement: Placement | None = None, fuse: bool | int = False):
+               placement: Placement | None = None, fuse: bool | int = False,
+               masks: list[Any] | None = None):
     placement = self.placement = placement or Placement()
     self.layers, self.config, self.tx, self.microbatches = layers, config, tx, microbatches
     self.fuse = fuse  # the blocks' hook-free runs (of at most `fuse` blocks) as one
     # executable pair each (docs/fusion.md)
+    self.masks = masks
     self.one = placement.replicate(jnp.ones((), jnp.float32))  # the loss cotangent
+    trained = self.split(params)[0]
     # --fsdp: the summed grads, the params and the optimizer state keep their shardings
     # (a params sharding that changed would be a new signature for every layer).
-    grads, state = placement.shardings(params), placement.shardings(opt_state)
+    grads, state = placement.shardings(trained), placement.shardings(opt_state)
     scalar = placement.replicated
     zeros = placement.jit(lambda params: (jax.tree.map(jnp.zeros_like, params),
                                           jnp.zeros((), jnp.float32)),
                           out_shardings=(grads, scalar))
     # Compiled ahead like the layers, so the first step pays for no compile.
-    self.zeros = zeros.lower(params).compile()
-    total = jax.eval_shape(zeros, params)
+    self.zeros = zeros.lower(trained).compile()
+    total = jax.eval_shape(zeros, trained)
     table = total[0][0] if config.tie_embeddings else None  # shaped like the embedding's
     self.accumulate = placement.jit(accumulate, donate_argnums=0, out_shardings=(grads, scalar)
                                     ).lower(total, total[0], table, total[1]).compile()
@@ -106,7 +115,12 @@ class Trainer:
     # one of the two unused).
     self.apply = placement.jit(functools.partial(apply_update, tx, microbatches),
                                donate_argnums=(0, 1), out_shardings=(grads, state, scalar)
-                               ).lower(total, opt_state, params).compile()
+                               ).lower(total, opt_state, trained).compile()
+
+  def split(self, tree: Params) -> tuple[Params, Params | None]:
+    """The part of a params-shaped tree (params, grads) that trains, and the rest (None
+    without masks: all of it trains)."""
+    return (tree, None) if self.masks is None else jg.partition(tree, self.masks)
 
   def microbatch(self, params: Params, tokens: jax.Array, targets: jax.Array,
                  positions: jax.Array) -> tuple[jax.Array, Params, jax.Array | None]:
@@ -125,17 +139,24 @@ class Trainer:
   def grads(self, params: Params, batches: Sequence[tuple[jax.Array, jax.Array]],
             positions: jax.Array) -> Grads:
     """The grads and loss summed over `batches` (one (tokens, targets) per microbatch)."""
-    total = self.zeros(params)
+    total = self.zeros(self.split(params)[0])
     for tokens, targets in batches:
       loss, grads, table_grads = self.microbatch(params, tokens, targets, positions)
+      if self.masks is not None:  # the trained part: the frozen params' float0 grads dropped
+        grads = self.split(grads)[0]
+        table_grads = None if table_grads is None else jg.partition(table_grads,
+                                                                    self.masks[0])[0]
       total = self.accumulate(total, grads, table_grads, loss)
     return total
 
   def step(self, params: Params, opt_state: Any, batches: Sequence[tuple[jax.Array, jax.Array]],
            positions: jax.Array) -> tuple[Params, Any, jax.Array]:
     """One optimizer step over `batches`: (params, opt_state, mean loss)."""
-    return self.placement.wait(self.apply(self.grads(params, batches, positions), opt_state,
-                                          params))
+    trained, frozen = self.split(params)
+    trained, opt_state, loss = self.apply(self.grads(params, batches, positions), opt_state,
+                                          trained)
+    params = trained if frozen is None else jg.combine(trained, frozen)
+    return self.placement.wait((params, opt_state, loss))
 
   def streams(self) -> Streams:
     """The graphed layers' key-stream positions (for a checkpoint)."""
