@@ -143,10 +143,11 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
   model, fns, params, _ = train.build_model(args, preset, corpus)
   policy = RESIDUAL_POLICIES[args.residuals]
   params, placement = train.place(params, args.flat, mesh, model.config.compute_dtype)
-  captured = train.capture(args, preset, model.config, fns, params, placement, policy)
+  fns, params, tuning = train.lora.start(args, preset, model, fns, params, placement)
+  captured = train.capture(args, preset, model.config, fns, params, placement, policy, tuning)
   positions = captured.positions
   tx, opt_state, trainer = train.make_step(args, preset, model.config, fns, params, placement,
-                                           corpus, captured, policy)
+                                           corpus, captured, policy, tuning)
   whole_start = placement.host((params, opt_state))
   for step in range(preset.round_steps):  # the graphed step alone: its peak
     params, opt_state, loss = trainer.step(params, opt_state,

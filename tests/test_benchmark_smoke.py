@@ -241,7 +241,6 @@ def test_cpu_collective_deadlock_probe_reports_each_setting(run_script):
     assert r["copies"][0]["steps_dispatched"] == 3
 
 
-@pytest.mark.slow
 def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   """benchmarks/llama_fsdp.py runs a row per preset:N in fresh processes (one driving the N
   devices, and N of one device each) and writes the record's lines: the facts of the run and
