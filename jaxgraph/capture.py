@@ -10,6 +10,7 @@ across traces, so only the leaves cross executables (https://github.com/jax-ml/j
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import math
 import time
 import warnings
@@ -529,7 +530,11 @@ def loaded_copy(compiled: Any) -> Any:
     return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                      backend=devices[0].client,
                                                      execution_devices=devices)
-  except (ValueError, NotImplementedError, RuntimeError):  # not serializable here
+  # Not serializable here: XLA refuses (ValueError, RuntimeError, NotImplementedError), or
+  # the executable holds Python objects pickle cannot take (AttributeError, TypeError,
+  # PicklingError: a custom_partitioning rule's closure, as in cuDNN attention sharded).
+  except (ValueError, NotImplementedError, RuntimeError, AttributeError, TypeError,
+          pickle.PicklingError):
     return compiled
 
 

@@ -159,3 +159,17 @@ def test_an_executable_on_several_devices_is_copied_on_them_in_its_order():
   assert out.sharding == expected.sharding
   assert trees_equal(out, expected)
   assert trees_equal(out, jnp.asarray(x) * 2 + jnp.cumsum(jnp.asarray(x), axis=0))
+
+
+@pytest.mark.parametrize("error", [AttributeError("Can't pickle local object"),
+                                   TypeError("cannot pickle"), ValueError("not serializable")])
+def test_an_executable_that_cannot_be_serialized_is_replayed_itself(monkeypatch, error):
+  """A compiled executable holding Python objects pickle cannot take (a custom_partitioning
+  rule's closure: cuDNN attention over a mesh, on GPUs) is replayed as it is."""
+  compiled = jax.jit(lambda v: v * 2).lower(jnp.ones((4, D))).compile()
+
+  def refuse(_):
+    raise error
+
+  monkeypatch.setattr(capture_lib.serialize_executable, "serialize", refuse)
+  assert capture_lib.loaded_copy(compiled) is compiled
