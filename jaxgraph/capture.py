@@ -10,8 +10,8 @@ across traces, so only the leaves cross executables (https://github.com/jax-ml/j
 from __future__ import annotations
 
 import dataclasses
-import pickle
 import math
+import pickle
 import time
 import warnings
 from typing import Any, Callable, Collection, Literal, Sequence
