@@ -264,34 +264,47 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def waves(runs: list[tuple[str, str, int]], gpus: int | None
-          ) -> list[list[tuple[str, str, int, list[int] | None]]]:
+Run = tuple[str, int, str, int]  # preset, devices, the example's extra flags, processes
+
+
+def waves(runs: list[Run], gpus: int | None) -> list[list[tuple[Run, list[int] | None]]]:
   """The runs in order, packed into waves that fit `gpus` GPUs together (each run with its
   GPUs); without `gpus`, one run a wave on every GPU."""
   if gpus is None:
-    return [[(*run, None)] for run in runs]
-  out: list[list[tuple[str, str, int, list[int] | None]]] = []
+    return [[(run, None)] for run in runs]
+  out: list[list[tuple[Run, list[int] | None]]] = []
   free = 0
-  for spec, flags, processes in runs:
-    n = int(spec.split(":")[1])
+  for run in runs:
+    n = run[1]
     if not out or free + n > gpus:
       out.append([])
       free = 0
-    out[-1].append((spec, flags, processes, list(range(free, free + n))))
+    out[-1].append((run, list(range(free, free + n))))
     free += n
   return out
 
 
-def measure(spec: str, flags: str, processes: int, gpus: list[int] | None, beside: int,
-            options: argparse.Namespace) -> dict[str, Any]:
-  """One run of row `spec` with `flags`: its result, named, with its wall seconds."""
-  preset, n = spec.split(":")
-  print(f"row {spec} {flags}, {processes} process(es), GPUs {gpus or 'all'} ...", flush=True)
+def measure(run: Run, gpus: list[int] | None, beside: int, options: argparse.Namespace
+            ) -> dict[str, Any]:
+  """One run of a row: its result, named, with its wall seconds."""
+  preset, n, flags, processes = run
+  print(f"row {preset}:{n} {flags}, {processes} process(es), GPUs {gpus or 'all'} ...",
+        flush=True)
   begin = time.perf_counter()
-  row = {"preset": preset, "n": int(n), "flags": flags, "processes": processes,
-         "concurrent": beside, **launch(preset, int(n), flags, processes, options, gpus)}
+  row = {"preset": preset, "n": n, "flags": flags, "processes": processes,
+         "concurrent": beside, **launch(preset, n, flags, processes, options, gpus)}
   row["seconds"] = round(time.perf_counter() - begin, 1)
   return row
+
+
+def _spread(row: dict[str, Any]) -> float:
+  """The larger spread of a row's two rates, in percent."""
+  return max(row["rates"][k]["spread_percent"] or 0 for k in ("graphed", "whole_step"))
+
+
+def _flags(row: dict[str, Any]) -> str:
+  """A row's extra flags as one field of a record line."""
+  return row["flags"].replace(" ", "_") or "-"
 
 
 def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -> list[str]:
@@ -312,17 +325,16 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
   for row in rows:
     if "error" in row:
       lines.append(f"row preset={row['preset']} n={row['n']} processes={row['processes']} "
-                   f"flags={row['flags'].replace(' ', '_') or '-'} error={row['error']!r}")
+                   f"flags={_flags(row)} error={row['error']!r}")
       continue
     graphed, whole = (row["rates"][k] for k in ("graphed", "whole_step"))
-    spread = max(graphed["spread_percent"] or 0, whole["spread_percent"] or 0)
     peaks = (f" graphed_peak_gib={row['graphed_peak_bytes'] / 2**30:.2f}"
              if row.get("graphed_peak_bytes") else "")
     lines.append(
         f"row preset={row['preset']} n={row['n']} graphed={graphed['median']:.0f} "
         f"whole={whole['median']:.0f} ratio={graphed['median'] / whole['median']:.3f} "
-        f"spread={spread:.1f}% processes={row['processes']} "
-        f"flags={row['flags'].replace(' ', '_') or '-'} concurrent={row['concurrent']} "
+        f"spread={_spread(row):.1f}% processes={row['processes']} "
+        f"flags={_flags(row)} concurrent={row['concurrent']} "
         f"rounds={len(graphed['rounds'])}"
         f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}")
   return lines
@@ -337,7 +349,6 @@ def table(rows: list[dict[str, Any]]) -> str:
       out.append(f"{name:<22}{row['processes']:>6}  {row['error']}")
       continue
     g, w = row["rates"]["graphed"], row["rates"]["whole_step"]
-    spread = max(g["spread_percent"] or 0, w["spread_percent"] or 0)
     trace = ""
     if "trace" in row:
       first = {k: next(iter(v["gpus"].values()), {}) for k, v in row["trace"].items()}
@@ -345,7 +356,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                                 f"{first[k].get('nccl_exposed_ms', 0):.2f}"
                                 for k in ("graphed", "whole_step"))
     out.append(f"{name:<22}{row['processes']:>6}{g['median']:>15,.0f}{w['median']:>13,.0f}"
-               f"{g['median'] / w['median']:>7.3f}{spread:>7.1f}%{trace}")
+               f"{g['median'] / w['median']:>7.3f}{_spread(row):>7.1f}%{trace}")
   return "\n".join(out)
 
 
@@ -375,11 +386,11 @@ def main() -> None:
     if jax.process_index() == 0:
       options.child.write_text(json.dumps(result))
     return
-  runs = []
+  runs: list[Run] = []
   for spec in options.rows:
     preset, n, *flags = spec.split(":", 2)
     for processes in [1] + ([int(n)] if options.per_process and int(n) > 1 else []):
-      runs.append((f"{preset}:{n}", flags[0] if flags else "", processes))
+      runs.append((preset, int(n), flags[0] if flags else "", processes))
   rows = []
   for wave in waves(runs, options.gpus):
     # a wave's runs at once, each on GPUs of its own
