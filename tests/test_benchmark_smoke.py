@@ -108,6 +108,24 @@ def test_llama_offload_tiny_reports_each_variant(run_script, tmp_path):
   assert "block       fwd ms" in run.stdout  # the plan's per-block measurement
 
 
+def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_path):
+  """benchmarks/llama_lora.py trains a base run, then fine-tunes it in full and with LoRA, one
+  process each, and reports both runs' tokens/s and what each trained."""
+  run = run_script("llama_lora.py", "--preset", "tiny", "--base-steps", "10", "--steps", "9",
+                   "--repeats", "1", "--rank", "4", "--out", str(tmp_path))
+  with open(tmp_path / "llama_lora.json") as f:
+    found = json.load(f)
+  full, lora = found["runs"]
+  assert (full["variant"], lora["variant"]) == ("full", "lora")
+  assert full["tok_s"] > 0 and lora["tok_s"] > 0
+  assert lora["trained_params"] < full["trained_params"] == full["params"]
+  assert lora["base_unchanged"] is True and full["base_unchanged"] is None
+  assert "--lora 4" in lora["command"] and "--init-from" in full["command"]
+  rows = {row["variant"]: row for row in found["table"]}
+  assert rows["lora"]["vs_full"] == round(lora["tok_s"] / full["tok_s"], 3)
+  assert "vs full" in run.stdout
+
+
 def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/probes/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT
   and the Llama example, and reports their timings, host costs and executables (no GPU
