@@ -407,10 +407,14 @@ def split(tree: FlatTree, parts: int, *, min_size: int = 0) -> FlatTree:
   reduce-scatters each leaf's gradient into the chunks (`jg.fsdp.shard` splits into the
   mesh axis size). The padding is never unraveled, gets zero gradients, and stays zero
   under elementwise optimizers: numerics are unchanged. Smaller buffers keep their layout.
+  The leaves are re-laid as the buffers store them (not in a gather's dtype), and a tree
+  whose buffers are already in `parts` parts comes back as it is: splitting a sharded tree
+  again changes no value.
 
   Raises:
     TypeError: if `tree` is not a FlatTree.
-    ValueError: if `parts` < 1, or `tree` holds no values (a mask or abstract buffers).
+    ValueError: if `parts` < 1, or a buffer to re-lay holds no values (a mask or abstract
+      buffers).
   """
   if not isinstance(tree, FlatTree):
     raise TypeError(f"flat.split takes a FlatTree, got {type(tree).__name__}.")
@@ -422,13 +426,16 @@ def split(tree: FlatTree, parts: int, *, min_size: int = 0) -> FlatTree:
     if spec.size >= min_size and spec.parts != parts:
       chunk = sum(-(-slot.size // parts) for slot in layout.slots if slot.buffer == k)
       specs[k] = spec._replace(length=chunk * parts, parts=parts)
+  if tuple(specs) == layout.buffers:
+    return tree
   slots, offsets = [], [0] * len(specs)  # offsets within a chunk (in the buffer, one part)
   for slot in layout.slots:
     spec = specs[slot.buffer]
     slots.append(slot._replace(offset=offsets[slot.buffer]))
     offsets[slot.buffer] += spec.piece(slot)
   new = dataclasses.replace(layout, slots=tuple(slots), buffers=tuple(specs))
-  leaves = jax.tree.leaves(tree.unravel())
+  # Without the gather: it would hand out the leaves in its dtype (bfloat16 rounds float32).
+  leaves = jax.tree.leaves(with_gather(tree, None).unravel())
   buffers = [_assemble([leaves[j] for j, slot in enumerate(slots) if slot.buffer == k],
                        [slot for slot in slots if slot.buffer == k], spec)
              for k, spec in enumerate(specs)]

@@ -449,6 +449,24 @@ def test_fsdp_gather_dtype_gathers_bf16_and_trains_as_the_whole_step():
   np.testing.assert_allclose(losses, f32_losses, rtol=1e-3)
 
 
+@pytest.mark.devices(8)
+def test_sharding_again_keeps_the_stored_float32_values_bitwise():
+  """`split` re-lays a sharded tree from its buffers as stored, not from the bfloat16 leaves
+  its gather hands out: sharding twice is sharding once."""
+  mesh, host, _, _ = _fsdp_data(1)
+  once = fsdp.shard(flat.ravel(host[0]), mesh, min_size=1, gather_dtype=BF16)
+  twice = fsdp.shard(once, mesh, min_size=1, gather_dtype=BF16)
+  assert twice.layout == once.layout
+  for again, first in zip(twice.buffers, once.buffers):
+    np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
+    assert again.sharding == first.sharding
+  assert trees_equal(jax.device_get(flat.with_gather(twice, None).unravel()), host[0])
+  assert flat.split(once, 8) is once  # already in 8 parts: nothing to re-lay
+  # Into another number of parts (another mesh): the float32 values still.
+  assert trees_equal(jax.device_get(flat.with_gather(flat.split(once, 4), None).unravel()),
+                     host[0])
+
+
 # --------------------------------------------------------------------------------- Flax, Orbax
 
 
