@@ -82,14 +82,15 @@ class Gather(NamedTuple):
   """How a layer un-shards buffers split over a mesh axis (FSDP); `jg.fsdp.shard` sets it.
 
   Every buffer of as many parts as the axis has devices (`BufferSpec.parts`), placed sharded
-  along `axis`, is all-gathered before it is unraveled, its shard cast to `dtype` first
-  when set (so the collective moves `dtype`'s bytes, FSDP2's `param_dtype`). Its gradient is
-  reduce-scattered back in the buffer's own dtype, leaf by leaf.
+  along `axis`, is all-gathered before it is unraveled, a floating buffer's shard cast to
+  `dtype` first when set (so the collective moves `dtype`'s bytes, FSDP2's `param_dtype`).
+  Its gradient is reduce-scattered back in the buffer's own dtype, leaf by leaf.
 
   Attributes:
     mesh: the mesh the buffers are sharded over.
     axis: the mesh axis they are split along.
-    dtype: the dtype the layer gets the gathered leaves in; None keeps the buffer's.
+    dtype: the dtype the layer gets the gathered floating leaves in; None keeps the
+      buffer's. Integer leaves keep theirs.
   """
 
   mesh: Mesh
@@ -157,11 +158,19 @@ def _assemble(leaves: Sequence[Any], slots: Sequence[Slot], spec: BufferSpec,
   return jnp.concatenate(pieces, axis=1).reshape(-1)
 
 
+def _gather_dtype(dtype: np.dtype, gather: Gather) -> np.dtype:
+  """The dtype a buffer of `dtype` is gathered in: `gather.dtype` for a floating one; an
+  integer buffer keeps its own (its values would not survive a float cast)."""
+  if gather.dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    return dtype
+  return gather.dtype
+
+
 def _all_gather(buffer: Any, gather: Gather) -> Any:
-  """The whole buffer on every device, from its shards: one all-gather, in `gather.dtype`
+  """The whole buffer on every device, from its shards: one all-gather, in `_gather_dtype`
   (the shard is cast before the collective; XLA does not move a cast across a gather whose
   result feeds several slices)."""
-  dtype = buffer.dtype if gather.dtype is None else gather.dtype
+  dtype = _gather_dtype(buffer.dtype, gather)
   return jax.shard_map(lambda shard: jax.lax.all_gather(shard.astype(dtype), gather.axis,
                                                         tiled=True),
                        mesh=gather.mesh, in_specs=PartitionSpec(gather.axis),
@@ -446,9 +455,9 @@ def with_gather(tree: FlatTree, gather: Gather | None) -> FlatTree:
   """The same buffers with a layout that all-gathers the split ones before unravelling.
 
   Inside a layer's executable each buffer of `gather.parts` parts (`split`), sharded along
-  `gather.axis`, is then all-gathered once (not each leaf), in `gather.dtype` when set, and
-  its gradient reduce-scattered leaf by leaf; `jg.fsdp.shard` sets it. None: unravel the
-  buffers as they are (e.g. gathered to one device for generation).
+  `gather.axis`, is then all-gathered once (not each leaf), a floating one in `gather.dtype`
+  when set, and its gradient reduce-scattered leaf by leaf; `jg.fsdp.shard` sets it. None:
+  unravel the buffers as they are (e.g. gathered to one device for generation).
   """
   if not isinstance(tree, FlatTree):
     raise TypeError(f"flat.with_gather takes a FlatTree, got {type(tree).__name__}.")

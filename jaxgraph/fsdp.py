@@ -110,12 +110,13 @@ def shard(tree: Any, mesh: Mesh, axis: str = "fsdp", *, min_size: int = MIN_SHAR
     mesh: the FSDP mesh (`make_mesh`).
     axis: the mesh axis to shard along.
     min_size: leaves and buffers with fewer elements stay replicated.
-    gather_dtype: for FlatTrees, the dtype their split buffers are gathered in (the shard is
-      cast before the all-gather, FSDP2's `param_dtype`: `jnp.bfloat16` halves the bytes of
-      float32 params), so the layer gets its weights in it. Use it where the layer casts its
-      weights to that dtype anyway (a bfloat16 compute dtype): the layer then computes the
-      same values. Gradients come back in the buffers' dtype, and the buffers keep theirs
-      (sharding the result again changes no value). None gathers as stored.
+    gather_dtype: for FlatTrees, the dtype their split floating buffers are gathered in (the
+      shard is cast before the all-gather, FSDP2's `param_dtype`: `jnp.bfloat16` halves the
+      bytes of float32 params), so the layer gets its weights in it; integer buffers keep
+      their dtype. Use it where the layer casts its weights to that dtype anyway (a bfloat16
+      compute dtype): the layer then computes the same values. Gradients come back in the
+      buffers' dtype, and the buffers keep theirs (sharding the result again changes no
+      value). None gathers as stored.
 
   With several processes (`jax.distributed.initialize`) every process passes the same full
   values (e.g. from the same seed) and keeps only the shards of its own devices.

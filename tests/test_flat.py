@@ -467,6 +467,22 @@ def test_sharding_again_keeps_the_stored_float32_values_bitwise():
                      host[0])
 
 
+@pytest.mark.devices(8)
+def test_gather_dtype_leaves_integer_buffers_exact():
+  """`gather_dtype` casts the floating buffers only: an int32 leaf is gathered as int32."""
+  mesh = fsdp.make_mesh(devices=devices_for(8)[:8])
+  ints = jnp.arange(-1000, 1000, dtype=jnp.int32) * 4099  # more bits than bfloat16 holds
+  tree = fsdp.shard(flat.ravel({"w": jnp.ones((32, 64)), "i": ints}), mesh,
+                    gather_dtype=jnp.bfloat16)
+  assert [(b.name, b.parts) for b in tree.layout.buffers] == [("int32", 8), ("float32", 8)]
+  lowered = jax.jit(flat.FlatTree.unravel).lower(tree).as_text()
+  gathers = re.findall(r"all_gather.*\n?.*-> tensor<(\d+)x(\w+)>", lowered)
+  assert sorted(gathers) == [("2000", "i32"), ("2048", "bf16")], gathers
+  out = jax.jit(flat.FlatTree.unravel)(tree)
+  assert (out["i"].dtype, out["w"].dtype) == (jnp.int32, BF16)
+  np.testing.assert_array_equal(out["i"], ints)
+
+
 # --------------------------------------------------------------------------------- Flax, Orbax
 
 
