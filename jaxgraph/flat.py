@@ -130,13 +130,17 @@ class FlatLayout:
     return self.gather is not None and parts > 1 and parts == self.gather.parts
 
 
-def _slice(buffer: Any, slot: Slot, spec: BufferSpec) -> Any:
-  """The leaf at `slot` of the whole `buffer` of `spec`."""
+def _slice(buffer: Any, slot: Slot, spec: BufferSpec,
+           sharding: NamedSharding | None = None) -> Any:
+  """The leaf at `slot` of the whole `buffer` of `spec`. With `sharding` its (parts, piece)
+  pieces are constrained to it first: the transpose of `_assemble` with that sharding."""
   if spec.parts == 1:
     return jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size).reshape(slot.shape)
   piece = spec.piece(slot)
   chunks = buffer.reshape(spec.parts, spec.length // spec.parts)
   pieces = jax.lax.slice_in_dim(chunks, slot.offset, slot.offset + piece, axis=1)
+  if sharding is not None:
+    pieces = jax.lax.with_sharding_constraint(pieces, sharding)
   return pieces.reshape(-1)[:slot.size].reshape(slot.shape)
 
 
@@ -177,30 +181,32 @@ def _all_gather(buffer: Any, gather: Gather) -> Any:
                        out_specs=PartitionSpec(), check_vma=False)(buffer)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _gathered_leaves(buffer: Any, spec: BufferSpec, slots: tuple[Slot, ...],
                      gather: Gather) -> list[Any]:
-  """The leaves at `slots` (every leaf of the buffer) of a sharded buffer, all-gathered.
+  """The leaves at `slots` (every leaf of the buffer) of a sharded floating buffer,
+  all-gathered in one collective.
 
-  Its gradient is put together by hand (`_assemble`), as a graphed layer's backward does
-  (`Expansion.gradients`): one program for both, and a reduce-scatter per leaf where
-  autodiff through the all-gather would reduce the whole buffer.
+  Its derivative (`_gathered_leaves_jvp`) slices each leaf from the sharded tangent: linear,
+  so forward mode uses it as it is and reverse mode transposes it into `_assemble` with the
+  pieces' sharding, the gradient a graphed layer's backward computes (`Expansion.gradients`):
+  each leaf's gradient reduce-scattered into the shards, where autodiff through the
+  all-gather would reduce the whole buffer.
   """
   whole = _all_gather(buffer, gather)
   return [_slice(whole, slot, spec) for slot in slots]
 
 
-def _gathered_leaves_fwd(buffer: Any, spec: BufferSpec, slots: tuple[Slot, ...],
-                         gather: Gather) -> tuple[list[Any], None]:
-  return _gathered_leaves(buffer, spec, slots, gather), None
-
-
-def _gathered_leaves_bwd(spec: BufferSpec, slots: tuple[Slot, ...], gather: Gather, _: None,
-                         cotangents: list[Any]) -> tuple[Any]:
-  return (_assemble(cotangents, slots, spec, _pieces_sharding(gather)),)
-
-
-_gathered_leaves.defvjp(_gathered_leaves_fwd, _gathered_leaves_bwd)
+@_gathered_leaves.defjvp
+def _gathered_leaves_jvp(spec: BufferSpec, slots: tuple[Slot, ...], gather: Gather,
+                         primals: tuple[Any], tangents: tuple[Any]
+                         ) -> tuple[list[Any], list[Any]]:
+  """The gathered leaves, and their tangents sliced from the buffer's tangent as it lies,
+  each leaf's pieces on the devices of their chunks (`_slice` with `_pieces_sharding`)."""
+  (buffer,), (tangent,) = primals, tangents
+  sharding, dtype = _pieces_sharding(gather), _gather_dtype(spec.dtype, gather)
+  leaves = [_slice(tangent, slot, spec, sharding).astype(dtype) for slot in slots]
+  return _gathered_leaves(buffer, spec, slots, gather), leaves
 
 
 def _pieces_sharding(gather: Gather) -> NamedSharding:
@@ -245,7 +251,8 @@ class FlatTree:
   def unravel(self) -> Any:
     """The tree this was raveled from (leaves sliced out of the buffers; padding dropped).
 
-    Works eagerly and under transformations (the slices are differentiable).
+    Works eagerly and under transformations, forward and reverse mode autodiff included
+    (the slices and the gather are differentiable).
 
     Raises:
       ValueError: if a buffer is not an array of the layout's length and dtype (e.g. a
@@ -258,8 +265,13 @@ class FlatTree:
     for k, (buffer, spec) in enumerate(zip(self.buffers, layout.buffers)):
       members = [j for j, slot in enumerate(layout.slots) if slot.buffer == k]
       slots = tuple(layout.slots[j] for j in members)
-      values = (_gathered_leaves(buffer, spec, slots, layout.gather) if layout.gathered(k)
-                else [_slice(buffer, slot, spec) for slot in slots])
+      if not layout.gathered(k):
+        values = [_slice(buffer, slot, spec) for slot in slots]
+      elif jnp.issubdtype(spec.dtype, jnp.floating):
+        values = _gathered_leaves(buffer, spec, slots, layout.gather)
+      else:  # no tangent to slice: an integer buffer is not differentiated
+        whole = _all_gather(buffer, layout.gather)
+        values = [_slice(whole, slot, spec) for slot in slots]
       for j, value in zip(members, values):
         leaves[j] = value
     return jax.tree.unflatten(layout.treedef, leaves)

@@ -483,6 +483,49 @@ def test_gather_dtype_leaves_integer_buffers_exact():
   np.testing.assert_array_equal(out["i"], ints)
 
 
+@pytest.mark.devices(8)
+def test_forward_mode_autodiff_passes_the_gather():
+  """jax.jvp, jax.jacfwd and Hessian-vector products through the gather of split buffers
+  give what they give on the same buffers unraveled without it, bitwise; reverse mode
+  still gathers each buffer once and reduces each leaf's gradient on its own."""
+  mesh, host, x, _ = _fsdp_data(1)
+  raveled = flat.ravel(host[0], group=_decay)
+  sharded = fsdp.shard(raveled, mesh, min_size=1)
+  local = flat.with_gather(sharded, None)  # the same buffers, unraveled by slicing
+  tangent = jax.tree.map(lambda b: jnp.cos(b) + 0.5, sharded)
+  unravel = jax.jit(lambda tree, t: jax.jvp(flat.FlatTree.unravel, (tree,), (t,)))
+  values, tangents = unravel(sharded, tangent)
+  assert trees_equal(values, local.unravel())
+  assert trees_equal(tangents, flat.with_gather(tangent, None).unravel())
+  bf16 = fsdp.shard(raveled, mesh, min_size=1, gather_dtype=BF16)
+  _, bf16_tangents = unravel(bf16, flat.FlatTree(tangent.buffers, bf16.layout))
+  assert trees_equal(bf16_tangents, jax.tree.map(lambda t: t.astype(BF16), tangents))
+
+  def loss(tree: flat.FlatTree) -> jax.Array:
+    return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(tree.unravel()))
+
+  hvp = jax.jit(lambda tree, t: jax.jvp(jax.grad(loss), (tree,), (t,))[1])
+  product = hvp(sharded, tangent)
+  assert trees_equal(product.buffers, hvp(local, flat.with_gather(tangent, None)).buffers)
+  assert [b.sharding for b in product.buffers] == [b.sharding for b in sharded.buffers]
+  scale = lambda tree: lambda b: flat.FlatTree([b, tree.buffers[1]], tree.layout).unravel()["s"]
+  jacobian = jax.jacfwd(scale(sharded))(sharded.buffers[0])
+  assert jacobian.shape == (3, 136)
+  assert trees_equal(jacobian, jax.jacfwd(scale(local))(sharded.buffers[0]))
+  # Reverse mode transposes the same derivative: the forward's one all-gather per buffer,
+  # and the leaves' gradients reduced each on its own (reduce-scatters on GPUs; on CPU one
+  # combined all-reduce of the leaves and slices), never the whole buffer.
+  step = jax.jit(jax.grad(lambda tree, x: jnp.mean(fsdp_block(tree.unravel(), x) ** 2)))
+  hlo = step.lower(sharded, x).compile().as_text()
+  assert _count(hlo, "all-gather") == 2
+  reductions = [line for line in hlo.splitlines()
+                if re.search(r"\b(all-reduce|reduce-scatter)(-start)?\(", line)]
+  assert reductions and not [line for line in reductions
+                             if re.search(r"f32\[(136|8192)\]", line)], reductions
+  grads = step(sharded, x)
+  assert [g.sharding for g in grads.buffers] == [b.sharding for b in sharded.buffers]
+
+
 # --------------------------------------------------------------------------------- Flax, Orbax
 
 
