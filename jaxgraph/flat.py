@@ -256,11 +256,14 @@ class FlatTree:
 
     Raises:
       ValueError: if a buffer is not an array of the layout's length and dtype (e.g. a
-        FlatTree of optimizer masks or shardings).
+        FlatTree of optimizer masks or shardings), or, eagerly, if a buffer the layout
+        gathers does not lie on the gather's mesh.
     """
     layout = self.layout
-    for buffer, spec in zip(self.buffers, layout.buffers):
+    for k, (buffer, spec) in enumerate(zip(self.buffers, layout.buffers)):
       _check_buffer(buffer, spec, layout)
+      if layout.gathered(k):
+        _check_on_mesh(buffer, spec, layout)
     leaves: list[Any] = [None] * len(layout.slots)
     for k, (buffer, spec) in enumerate(zip(self.buffers, layout.buffers)):
       members = [j for j, slot in enumerate(layout.slots) if slot.buffer == k]
@@ -311,6 +314,19 @@ def _check_buffer(buffer: Any, spec: BufferSpec, layout: FlatLayout) -> None:
     raise ValueError(f"buffer {spec.name!r} of {layout} must be a {spec.dtype}[{spec.length}] "
                      f"array, got {got}; a FlatTree's buffers come from `ravel` of a tree of "
                      "this layout (FlatTree(buffers, layout) pairs them explicitly).")
+
+
+def _check_on_mesh(buffer: Any, spec: BufferSpec, layout: FlatLayout) -> None:
+  """An eager buffer that `layout` gathers lies on the devices of the gather's mesh."""
+  if not isinstance(buffer, jax.Array) or isinstance(buffer, jax.core.Tracer):
+    return
+  mesh = layout.gather.mesh
+  if buffer.sharding.device_set != set(mesh.devices.flat):
+    raise ValueError(
+        f"buffer {spec.name!r} of {layout} lies on {len(buffer.sharding.device_set)} "
+        f"device(s), not on the {mesh.size} devices of the mesh its layout all-gathers it "
+        f"over (axis {layout.gather.axis!r}); to unravel buffers moved off that mesh (e.g. "
+        "to one device), drop the gather first: jg.flat.with_gather(tree, None).unravel().")
 
 
 def is_flat(node: Any) -> bool:

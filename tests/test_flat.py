@@ -526,6 +526,17 @@ def test_forward_mode_autodiff_passes_the_gather():
   assert [g.sharding for g in grads.buffers] == [b.sharding for b in sharded.buffers]
 
 
+@pytest.mark.devices(8)
+def test_unravelling_buffers_moved_off_the_mesh_names_the_fix():
+  mesh, host, _, _ = _fsdp_data(1)
+  sharded = fsdp.shard(flat.ravel(host[0]), mesh, min_size=1)
+  moved = jax.device_put(sharded, jax.devices()[0])  # e.g. gathered for generation
+  with pytest.raises(ValueError, match=r"lies on 1 device\(s\), not on the 8 devices of the "
+                                       r"mesh.*jg\.flat\.with_gather\(tree, None\)"):
+    moved.unravel()
+  assert trees_equal(jax.device_get(flat.with_gather(moved, None).unravel()), host[0])
+
+
 # --------------------------------------------------------------------------------- Flax, Orbax
 
 
