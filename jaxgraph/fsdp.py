@@ -140,8 +140,13 @@ def place(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
   onto a replicated sharding over every process's devices returns a malformed array (its
   one local buffer claims every device; `addressable_shards` then raises "An argument array
   had N shard(s)", seen with jax 0.10.2). Such a value goes through the host instead: every
-  process holds the same full value, and each keeps the shards of its own devices.
+  process holds the same full value, and each keeps the shards of its own devices. A typed
+  PRNG key array (`jax.random.key`) is placed as its key data, wrapped again with its impl.
   """
+  if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    # NumPy holds no typed keys: the key's data takes the host path where one is needed.
+    return jax.random.wrap_key_data(place(jax.random.key_data(value), sharding),
+                                    impl=jax.random.key_impl(value))
   if (isinstance(value, jax.Array) and value.is_fully_addressable
       and not sharding.is_fully_addressable):
     value = np.asarray(value)
