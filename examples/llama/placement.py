@@ -69,8 +69,10 @@ class Placement:
     return None if self.mesh is None else fsdp.batch_sharding(self.mesh)
 
   def shard(self, params: Params) -> Params:
-    """The params placed (`jg.fsdp.shard`: FlatTree buffers padded, sharded, and gathered
-    once per buffer where a layer unravels them)."""
+    """The params placed (`jg.fsdp.shard`): every FlatTree buffer of at least `min_size`
+    elements split into one part per device, each part a piece of every weight
+    (`jg.flat.split`), sharded, and gathered once per buffer where a layer unravels it; the
+    smaller buffers replicated."""
     if self.mesh is None:
       return params
     return fsdp.shard(params, self.mesh, min_size=self.min_size, gather_dtype=self.gather_dtype)
