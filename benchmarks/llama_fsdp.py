@@ -60,30 +60,12 @@ sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, commo
 from benchmarks import profiling  # noqa: E402
 from llama import train  # noqa: E402
 from llama.data import step_batches  # noqa: E402
-from llama.fsdp_report import layer_executables  # noqa: E402
-from llama.layers import RESIDUAL_POLICIES, graphed  # noqa: E402
+from llama.fsdp_report import collectives, named_executables  # noqa: E402
+from llama.layers import RESIDUAL_POLICIES  # noqa: E402
 from llama.memory import peak_bytes  # noqa: E402
 from llama.presets import PRESETS  # noqa: E402
 from llama.throughput import rate_summary, throughput_rounds  # noqa: E402
 from llama.whole_step import WholeStep  # noqa: E402
-
-COLLECTIVE = re.compile(r"(all-gather|reduce-scatter|all-reduce)(?:-start)?\(")
-SHAPE = re.compile(r"\b(bf16|f16|f32|f64|s32|u32|pred)\[")
-
-
-def collectives(compiled: Any) -> dict[str, int]:
-  """The collectives of a compiled executable's HLO, by op and element type (`all-gather
-  bf16`); an asynchronous pair counts once (its `-start`)."""
-  counts: dict[str, int] = {}
-  for line in compiled.as_text().splitlines():
-    found = COLLECTIVE.search(line)
-    if found is None or "=" not in line[:found.start()]:
-      continue
-    types = sorted(set(SHAPE.findall(line[line.index("=") + 1:found.start()])))
-    key = f"{found.group(1)} {'/'.join(types)}"
-    counts[key] = counts.get(key, 0) + 1
-  return counts
-
 
 def planned_peak(compiled: Any) -> int:
   """Bytes per device an executable holds while it runs, as XLA planned them."""
@@ -161,13 +143,8 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
   whole_state = placement.put(whole_start)
   del whole_start
   result["whole_planned_peak_bytes"] = planned_peak(whole.compiled)
-  names: dict[int, str] = {}
-  found: dict[str, dict[str, int]] = {}
-  for layer in graphed(trainer.layers):
-    forward, backward = layer_executables(layer)
-    name = names.setdefault(id(forward), layer.name)
-    found[f"{name} forward"] = collectives(forward)
-    found[f"{name} backward"] = collectives(backward)
+  found = {name: collectives(compiled)
+           for name, compiled in named_executables(trainer.layers)}
   found["whole step"] = collectives(whole.compiled)
   result["collectives"] = found
   runs = {"graphed": [trainer, (params, opt_state)], "whole_step": [whole, whole_state]}

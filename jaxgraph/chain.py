@@ -79,8 +79,9 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       keys and counters as unfused, and the same math: each layer under its own
       `remat_policy`, and an optimization barrier between layers, so that XLA fuses
       nothing across them (the fused executables run the per-layer kernels). An int `k`
-      cuts the runs into segments of at most `k` layers (identical segments share one
-      compile): the compile stays one segment's, the host calls fall `k`-fold, and inside a
+      cuts each run into segments of `k` layers and a shorter remainder (identical segments
+      share one compile): at most two compiles per run, a segment's and its remainder's (a
+      remainder of one layer replays unfused), the host calls fall `k`-fold, and inside a
       segment XLA's scheduler can overlap a layer's FSDP all-gather with the layer before's
       compute. `fuse=1` is unfused.
 

@@ -82,14 +82,15 @@ class Gather(NamedTuple):
   """How a layer un-shards buffers split over a mesh axis (FSDP); `jg.fsdp.shard` sets it.
 
   Every buffer of as many parts as the axis has devices (`BufferSpec.parts`), placed sharded
-  along `axis`, is all-gathered before it is unraveled, its shard cast to `dtype` first
-  when set (so the collective moves `dtype`'s bytes, FSDP2's `param_dtype`). Its gradient is
-  reduce-scattered back in the buffer's own dtype, leaf by leaf.
+  along `axis`, is all-gathered before it is unraveled, a floating buffer's shard cast to
+  `dtype` first when set (so the collective moves `dtype`'s bytes, FSDP2's `param_dtype`).
+  Its gradient is reduce-scattered back in the buffer's own dtype, leaf by leaf.
 
   Attributes:
     mesh: the mesh the buffers are sharded over.
     axis: the mesh axis they are split along.
-    dtype: the dtype the layer gets the gathered leaves in; None keeps the buffer's.
+    dtype: the dtype the layer gets the gathered floating leaves in; None keeps the
+      buffer's. Integer leaves keep theirs.
   """
 
   mesh: Mesh
@@ -129,13 +130,17 @@ class FlatLayout:
     return self.gather is not None and parts > 1 and parts == self.gather.parts
 
 
-def _slice(buffer: Any, slot: Slot, spec: BufferSpec) -> Any:
-  """The leaf at `slot` of the whole `buffer` of `spec`."""
+def _slice(buffer: Any, slot: Slot, spec: BufferSpec,
+           sharding: NamedSharding | None = None) -> Any:
+  """The leaf at `slot` of the whole `buffer` of `spec`. With `sharding` its (parts, piece)
+  pieces are constrained to it first: the transpose of `_assemble` with that sharding."""
   if spec.parts == 1:
     return jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size).reshape(slot.shape)
   piece = spec.piece(slot)
   chunks = buffer.reshape(spec.parts, spec.length // spec.parts)
   pieces = jax.lax.slice_in_dim(chunks, slot.offset, slot.offset + piece, axis=1)
+  if sharding is not None:
+    pieces = jax.lax.with_sharding_constraint(pieces, sharding)
   return pieces.reshape(-1)[:slot.size].reshape(slot.shape)
 
 
@@ -157,41 +162,51 @@ def _assemble(leaves: Sequence[Any], slots: Sequence[Slot], spec: BufferSpec,
   return jnp.concatenate(pieces, axis=1).reshape(-1)
 
 
+def _gather_dtype(dtype: np.dtype, gather: Gather) -> np.dtype:
+  """The dtype a buffer of `dtype` is gathered in: `gather.dtype` for a floating one; an
+  integer buffer keeps its own (its values would not survive a float cast)."""
+  if gather.dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    return dtype
+  return gather.dtype
+
+
 def _all_gather(buffer: Any, gather: Gather) -> Any:
-  """The whole buffer on every device, from its shards: one all-gather, in `gather.dtype`
+  """The whole buffer on every device, from its shards: one all-gather, in `_gather_dtype`
   (the shard is cast before the collective; XLA does not move a cast across a gather whose
   result feeds several slices)."""
-  dtype = buffer.dtype if gather.dtype is None else gather.dtype
+  dtype = _gather_dtype(buffer.dtype, gather)
   return jax.shard_map(lambda shard: jax.lax.all_gather(shard.astype(dtype), gather.axis,
                                                         tiled=True),
                        mesh=gather.mesh, in_specs=PartitionSpec(gather.axis),
                        out_specs=PartitionSpec(), check_vma=False)(buffer)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _gathered_leaves(buffer: Any, spec: BufferSpec, slots: tuple[Slot, ...],
                      gather: Gather) -> list[Any]:
-  """The leaves at `slots` (every leaf of the buffer) of a sharded buffer, all-gathered.
+  """The leaves at `slots` (every leaf of the buffer) of a sharded floating buffer,
+  all-gathered in one collective.
 
-  Its gradient is put together by hand (`_assemble`), as a graphed layer's backward does
-  (`Expansion.gradients`): one program for both, and a reduce-scatter per leaf where
-  autodiff through the all-gather would reduce the whole buffer.
+  Its derivative (`_gathered_leaves_jvp`) slices each leaf from the sharded tangent: linear,
+  so forward mode uses it as it is and reverse mode transposes it into `_assemble` with the
+  pieces' sharding, the gradient a graphed layer's backward computes (`Expansion.gradients`):
+  each leaf's gradient reduce-scattered into the shards, where autodiff through the
+  all-gather would reduce the whole buffer.
   """
   whole = _all_gather(buffer, gather)
   return [_slice(whole, slot, spec) for slot in slots]
 
 
-def _gathered_leaves_fwd(buffer: Any, spec: BufferSpec, slots: tuple[Slot, ...],
-                         gather: Gather) -> tuple[list[Any], None]:
-  return _gathered_leaves(buffer, spec, slots, gather), None
-
-
-def _gathered_leaves_bwd(spec: BufferSpec, slots: tuple[Slot, ...], gather: Gather, _: None,
-                         cotangents: list[Any]) -> tuple[Any]:
-  return (_assemble(cotangents, slots, spec, _pieces_sharding(gather)),)
-
-
-_gathered_leaves.defvjp(_gathered_leaves_fwd, _gathered_leaves_bwd)
+@_gathered_leaves.defjvp
+def _gathered_leaves_jvp(spec: BufferSpec, slots: tuple[Slot, ...], gather: Gather,
+                         primals: tuple[Any], tangents: tuple[Any]
+                         ) -> tuple[list[Any], list[Any]]:
+  """The gathered leaves, and their tangents sliced from the buffer's tangent as it lies,
+  each leaf's pieces on the devices of their chunks (`_slice` with `_pieces_sharding`)."""
+  (buffer,), (tangent,) = primals, tangents
+  sharding, dtype = _pieces_sharding(gather), _gather_dtype(spec.dtype, gather)
+  leaves = [_slice(tangent, slot, spec, sharding).astype(dtype) for slot in slots]
+  return _gathered_leaves(buffer, spec, slots, gather), leaves
 
 
 def _pieces_sharding(gather: Gather) -> NamedSharding:
@@ -236,21 +251,30 @@ class FlatTree:
   def unravel(self) -> Any:
     """The tree this was raveled from (leaves sliced out of the buffers; padding dropped).
 
-    Works eagerly and under transformations (the slices are differentiable).
+    Works eagerly and under transformations, forward and reverse mode autodiff included
+    (the slices and the gather are differentiable).
 
     Raises:
       ValueError: if a buffer is not an array of the layout's length and dtype (e.g. a
-        FlatTree of optimizer masks or shardings).
+        FlatTree of optimizer masks or shardings), or, eagerly, if a buffer the layout
+        gathers does not lie on the gather's mesh.
     """
     layout = self.layout
-    for buffer, spec in zip(self.buffers, layout.buffers):
+    for k, (buffer, spec) in enumerate(zip(self.buffers, layout.buffers)):
       _check_buffer(buffer, spec, layout)
+      if layout.gathered(k):
+        _check_on_mesh(buffer, spec, layout)
     leaves: list[Any] = [None] * len(layout.slots)
     for k, (buffer, spec) in enumerate(zip(self.buffers, layout.buffers)):
       members = [j for j, slot in enumerate(layout.slots) if slot.buffer == k]
       slots = tuple(layout.slots[j] for j in members)
-      values = (_gathered_leaves(buffer, spec, slots, layout.gather) if layout.gathered(k)
-                else [_slice(buffer, slot, spec) for slot in slots])
+      if not layout.gathered(k):
+        values = [_slice(buffer, slot, spec) for slot in slots]
+      elif jnp.issubdtype(spec.dtype, jnp.floating):
+        values = _gathered_leaves(buffer, spec, slots, layout.gather)
+      else:  # no tangent to slice: an integer buffer is not differentiated
+        whole = _all_gather(buffer, layout.gather)
+        values = [_slice(whole, slot, spec) for slot in slots]
       for j, value in zip(members, values):
         leaves[j] = value
     return jax.tree.unflatten(layout.treedef, leaves)
@@ -290,6 +314,19 @@ def _check_buffer(buffer: Any, spec: BufferSpec, layout: FlatLayout) -> None:
     raise ValueError(f"buffer {spec.name!r} of {layout} must be a {spec.dtype}[{spec.length}] "
                      f"array, got {got}; a FlatTree's buffers come from `ravel` of a tree of "
                      "this layout (FlatTree(buffers, layout) pairs them explicitly).")
+
+
+def _check_on_mesh(buffer: Any, spec: BufferSpec, layout: FlatLayout) -> None:
+  """An eager buffer that `layout` gathers lies on the devices of the gather's mesh."""
+  if not isinstance(buffer, jax.Array) or isinstance(buffer, jax.core.Tracer):
+    return
+  mesh = layout.gather.mesh
+  if buffer.sharding.device_set != set(mesh.devices.flat):
+    raise ValueError(
+        f"buffer {spec.name!r} of {layout} lies on {len(buffer.sharding.device_set)} "
+        f"device(s), not on the {mesh.size} devices of the mesh its layout all-gathers it "
+        f"over (axis {layout.gather.axis!r}); to unravel buffers moved off that mesh (e.g. "
+        "to one device), drop the gather first: jg.flat.with_gather(tree, None).unravel().")
 
 
 def is_flat(node: Any) -> bool:
@@ -407,10 +444,14 @@ def split(tree: FlatTree, parts: int, *, min_size: int = 0) -> FlatTree:
   reduce-scatters each leaf's gradient into the chunks (`jg.fsdp.shard` splits into the
   mesh axis size). The padding is never unraveled, gets zero gradients, and stays zero
   under elementwise optimizers: numerics are unchanged. Smaller buffers keep their layout.
+  The leaves are re-laid as the buffers store them (not in a gather's dtype), and a tree
+  whose buffers are already in `parts` parts comes back as it is: splitting a sharded tree
+  again changes no value.
 
   Raises:
     TypeError: if `tree` is not a FlatTree.
-    ValueError: if `parts` < 1, or `tree` holds no values (a mask or abstract buffers).
+    ValueError: if `parts` < 1, or a buffer to re-lay holds no values (a mask or abstract
+      buffers).
   """
   if not isinstance(tree, FlatTree):
     raise TypeError(f"flat.split takes a FlatTree, got {type(tree).__name__}.")
@@ -422,13 +463,16 @@ def split(tree: FlatTree, parts: int, *, min_size: int = 0) -> FlatTree:
     if spec.size >= min_size and spec.parts != parts:
       chunk = sum(-(-slot.size // parts) for slot in layout.slots if slot.buffer == k)
       specs[k] = spec._replace(length=chunk * parts, parts=parts)
+  if tuple(specs) == layout.buffers:
+    return tree
   slots, offsets = [], [0] * len(specs)  # offsets within a chunk (in the buffer, one part)
   for slot in layout.slots:
     spec = specs[slot.buffer]
     slots.append(slot._replace(offset=offsets[slot.buffer]))
     offsets[slot.buffer] += spec.piece(slot)
   new = dataclasses.replace(layout, slots=tuple(slots), buffers=tuple(specs))
-  leaves = jax.tree.leaves(tree.unravel())
+  # Without the gather: it would hand out the leaves in its dtype (bfloat16 rounds float32).
+  leaves = jax.tree.leaves(with_gather(tree, None).unravel())
   buffers = [_assemble([leaves[j] for j, slot in enumerate(slots) if slot.buffer == k],
                        [slot for slot in slots if slot.buffer == k], spec)
              for k, spec in enumerate(specs)]
@@ -439,9 +483,9 @@ def with_gather(tree: FlatTree, gather: Gather | None) -> FlatTree:
   """The same buffers with a layout that all-gathers the split ones before unravelling.
 
   Inside a layer's executable each buffer of `gather.parts` parts (`split`), sharded along
-  `gather.axis`, is then all-gathered once (not each leaf), in `gather.dtype` when set, and
-  its gradient reduce-scattered leaf by leaf; `jg.fsdp.shard` sets it. None: unravel the
-  buffers as they are (e.g. gathered to one device for generation).
+  `gather.axis`, is then all-gathered once (not each leaf), a floating one in `gather.dtype`
+  when set, and its gradient reduce-scattered leaf by leaf; `jg.fsdp.shard` sets it. None:
+  unravel the buffers as they are (e.g. gathered to one device for generation).
   """
   if not isinstance(tree, FlatTree):
     raise TypeError(f"flat.with_gather takes a FlatTree, got {type(tree).__name__}.")

@@ -110,11 +110,13 @@ def shard(tree: Any, mesh: Mesh, axis: str = "fsdp", *, min_size: int = MIN_SHAR
     mesh: the FSDP mesh (`make_mesh`).
     axis: the mesh axis to shard along.
     min_size: leaves and buffers with fewer elements stay replicated.
-    gather_dtype: for FlatTrees, the dtype their split buffers are gathered in (the shard is
-      cast before the all-gather, FSDP2's `param_dtype`: `jnp.bfloat16` halves the bytes of
-      float32 params), so the layer gets its weights in it. Use it where the layer casts its
-      weights to that dtype anyway (a bfloat16 compute dtype): the layer then computes the
-      same values. Gradients come back in the buffers' dtype. None gathers as stored.
+    gather_dtype: for FlatTrees, the dtype their split floating buffers are gathered in (the
+      shard is cast before the all-gather, FSDP2's `param_dtype`: `jnp.bfloat16` halves the
+      bytes of float32 params), so the layer gets its weights in it; integer buffers keep
+      their dtype. Use it where the layer casts its weights to that dtype anyway (a bfloat16
+      compute dtype): the layer then computes the same values. Gradients come back in the
+      buffers' dtype, and the buffers keep theirs (sharding the result again changes no
+      value). None gathers as stored.
 
   With several processes (`jax.distributed.initialize`) every process passes the same full
   values (e.g. from the same seed) and keeps only the shards of its own devices.
@@ -138,8 +140,13 @@ def place(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
   onto a replicated sharding over every process's devices returns a malformed array (its
   one local buffer claims every device; `addressable_shards` then raises "An argument array
   had N shard(s)", seen with jax 0.10.2). Such a value goes through the host instead: every
-  process holds the same full value, and each keeps the shards of its own devices.
+  process holds the same full value, and each keeps the shards of its own devices. A typed
+  PRNG key array (`jax.random.key`) is placed as its key data, wrapped again with its impl.
   """
+  if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    # NumPy holds no typed keys: the key's data takes the host path where one is needed.
+    return jax.random.wrap_key_data(place(jax.random.key_data(value), sharding),
+                                    impl=jax.random.key_impl(value))
   if (isinstance(value, jax.Array) and value.is_fully_addressable
       and not sharding.is_fully_addressable):
     value = np.asarray(value)

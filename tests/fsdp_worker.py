@@ -5,7 +5,8 @@ tests/test_multiprocess.py, once per process, under `jax.distributed.initialize`
 
   python tests/fsdp_worker.py --process-id 0 --num-processes 2 --port 12345 --out r0.npz
 
-The worker writes its losses and the final (gathered) params to `--out`.
+The worker writes its losses and the final (gathered) params to `--out`, and its shard of
+a typed PRNG key placed over every device (`key_data`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxgraph as jg
 from jaxgraph import fsdp
 
 LAYERS, D, H, BATCH, STEPS = 3, 32, 128, 32, 3
+KEY_SEED = 7  # of the typed key the worker places replicated over every device
 Params = dict[str, Any]
 
 
@@ -158,7 +160,9 @@ def main() -> None:
                              initialization_timeout=60)
   mesh = fsdp.make_mesh()
   losses, params, graphed = train_graphed(mesh, args.steps)
+  key = fsdp.place(jax.random.key(KEY_SEED), NamedSharding(mesh, PartitionSpec()))
   np.savez(args.out, losses=losses, devices=len(mesh.devices.flat),
+           key_data=jax.random.key_data(key.addressable_shards[0].data),
            **first_shards(fsdp.shard(jax.tree.map(jnp.asarray, host_data()[0]), mesh)),
            local_devices=jax.local_device_count(), captures=graphed[0].stats.captures,
            **{f"{i}/{k}": v for i, p in enumerate(params) for k, v in p.items()})

@@ -446,12 +446,13 @@ def test_llama_fsdp_shards_the_state_and_matches_the_whole_step(fsdp_run):
   # From each executable's compiled HLO: a block gathers its one sharded buffer once in its
   # forward and once more in its backward (recomputed, not kept), and reduces its grads
   # (reduce-scatter on GPU; all-reduce + dynamic-slice on CPU).
+  # By op and element type: XLA:CPU runs the bfloat16 gathers in float32 (bf16 on GPUs).
   collectives = report["collectives"]
-  assert collectives["Block[1] forward"] == {"all-gather": 1, "reduce-scatter": 0,
-                                             "all-reduce": 0}
+  assert collectives["Block[1] forward"] == {"all-gather f32": 1}
   backward = collectives["Block[1] backward"]
-  assert backward["all-gather"] == 1
-  assert backward["reduce-scatter"] + backward["all-reduce"] >= 1
+  ops = [kind.split()[0] for kind, n in backward.items() for _ in range(n)]
+  assert ops.count("all-gather") == 1
+  assert ops.count("reduce-scatter") + ops.count("all-reduce") >= 1
   assert "Block[2] forward" not in collectives  # the blocks replay one executable
   # --check with the same shardings: the losses agree with the whole-step jax.jit. The first
   # step's loss is bitwise equal; its grads are not (largest difference 2.4e-4 when

@@ -449,6 +449,94 @@ def test_fsdp_gather_dtype_gathers_bf16_and_trains_as_the_whole_step():
   np.testing.assert_allclose(losses, f32_losses, rtol=1e-3)
 
 
+@pytest.mark.devices(8)
+def test_sharding_again_keeps_the_stored_float32_values_bitwise():
+  """`split` re-lays a sharded tree from its buffers as stored, not from the bfloat16 leaves
+  its gather hands out: sharding twice is sharding once."""
+  mesh, host, _, _ = _fsdp_data(1)
+  once = fsdp.shard(flat.ravel(host[0]), mesh, min_size=1, gather_dtype=BF16)
+  twice = fsdp.shard(once, mesh, min_size=1, gather_dtype=BF16)
+  assert twice.layout == once.layout
+  for again, first in zip(twice.buffers, once.buffers):
+    np.testing.assert_array_equal(again.view(np.uint32), first.view(np.uint32))
+    assert again.sharding == first.sharding
+  assert trees_equal(jax.device_get(flat.with_gather(twice, None).unravel()), host[0])
+  assert flat.split(once, 8) is once  # already in 8 parts: nothing to re-lay
+  # Into another number of parts (another mesh): the float32 values still.
+  assert trees_equal(jax.device_get(flat.with_gather(flat.split(once, 4), None).unravel()),
+                     host[0])
+
+
+@pytest.mark.devices(8)
+def test_gather_dtype_leaves_integer_buffers_exact():
+  """`gather_dtype` casts the floating buffers only: an int32 leaf is gathered as int32."""
+  mesh = fsdp.make_mesh(devices=devices_for(8)[:8])
+  ints = jnp.arange(-1000, 1000, dtype=jnp.int32) * 4099  # more bits than bfloat16 holds
+  tree = fsdp.shard(flat.ravel({"w": jnp.ones((32, 64)), "i": ints}), mesh,
+                    gather_dtype=jnp.bfloat16)
+  assert [(b.name, b.parts) for b in tree.layout.buffers] == [("int32", 8), ("float32", 8)]
+  lowered = jax.jit(flat.FlatTree.unravel).lower(tree).as_text()
+  gathers = re.findall(r"all_gather.*\n?.*-> tensor<(\d+)x(\w+)>", lowered)
+  assert sorted(gathers) == [("2000", "i32"), ("2048", "bf16")], gathers
+  out = jax.jit(flat.FlatTree.unravel)(tree)
+  assert (out["i"].dtype, out["w"].dtype) == (jnp.int32, BF16)
+  np.testing.assert_array_equal(out["i"], ints)
+
+
+@pytest.mark.devices(8)
+def test_forward_mode_autodiff_passes_the_gather():
+  """jax.jvp, jax.jacfwd and Hessian-vector products through the gather of split buffers
+  give what they give on the same buffers unraveled without it, bitwise; reverse mode
+  still gathers each buffer once and reduces each leaf's gradient on its own."""
+  mesh, host, x, _ = _fsdp_data(1)
+  raveled = flat.ravel(host[0], group=_decay)
+  sharded = fsdp.shard(raveled, mesh, min_size=1)
+  local = flat.with_gather(sharded, None)  # the same buffers, unraveled by slicing
+  tangent = jax.tree.map(lambda b: jnp.cos(b) + 0.5, sharded)
+  unravel = jax.jit(lambda tree, t: jax.jvp(flat.FlatTree.unravel, (tree,), (t,)))
+  values, tangents = unravel(sharded, tangent)
+  assert trees_equal(values, local.unravel())
+  assert trees_equal(tangents, flat.with_gather(tangent, None).unravel())
+  bf16 = fsdp.shard(raveled, mesh, min_size=1, gather_dtype=BF16)
+  _, bf16_tangents = unravel(bf16, flat.FlatTree(tangent.buffers, bf16.layout))
+  assert trees_equal(bf16_tangents, jax.tree.map(lambda t: t.astype(BF16), tangents))
+
+  def loss(tree: flat.FlatTree) -> jax.Array:
+    return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(tree.unravel()))
+
+  hvp = jax.jit(lambda tree, t: jax.jvp(jax.grad(loss), (tree,), (t,))[1])
+  product = hvp(sharded, tangent)
+  assert trees_equal(product.buffers, hvp(local, flat.with_gather(tangent, None)).buffers)
+  assert [b.sharding for b in product.buffers] == [b.sharding for b in sharded.buffers]
+  scale = lambda tree: lambda b: flat.FlatTree([b, tree.buffers[1]], tree.layout).unravel()["s"]
+  jacobian = jax.jacfwd(scale(sharded))(sharded.buffers[0])
+  assert jacobian.shape == (3, 136)
+  assert trees_equal(jacobian, jax.jacfwd(scale(local))(sharded.buffers[0]))
+  # Reverse mode transposes the same derivative: the forward's one all-gather per buffer,
+  # and the leaves' gradients reduced each on its own (reduce-scatters on GPUs; on CPU one
+  # combined all-reduce of the leaves and slices), never the whole buffer.
+  step = jax.jit(jax.grad(lambda tree, x: jnp.mean(fsdp_block(tree.unravel(), x) ** 2)))
+  hlo = step.lower(sharded, x).compile().as_text()
+  assert _count(hlo, "all-gather") == 2
+  reductions = [line for line in hlo.splitlines()
+                if re.search(r"\b(all-reduce|reduce-scatter)(-start)?\(", line)]
+  assert reductions and not [line for line in reductions
+                             if re.search(r"f32\[(136|8192)\]", line)], reductions
+  grads = step(sharded, x)
+  assert [g.sharding for g in grads.buffers] == [b.sharding for b in sharded.buffers]
+
+
+@pytest.mark.devices(8)
+def test_unravelling_buffers_moved_off_the_mesh_names_the_fix():
+  mesh, host, _, _ = _fsdp_data(1)
+  sharded = fsdp.shard(flat.ravel(host[0]), mesh, min_size=1)
+  moved = jax.device_put(sharded, jax.devices()[0])  # e.g. gathered for generation
+  with pytest.raises(ValueError, match=r"lies on 1 device\(s\), not on the 8 devices of the "
+                                       r"mesh.*jg\.flat\.with_gather\(tree, None\)"):
+    moved.unravel()
+  assert trees_equal(jax.device_get(flat.with_gather(moved, None).unravel()), host[0])
+
+
 # --------------------------------------------------------------------------------- Flax, Orbax
 
 

@@ -93,6 +93,20 @@ def test_shard_places_every_leaf(mesh, one_layer):
 
 
 @pytest.mark.devices(8)
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_place_puts_typed_keys_as_their_data(mesh, impl):
+  """A typed PRNG key array is placed as its key data and wrapped again with its impl
+  (across processes the data goes through NumPy, which holds no typed keys:
+  tests/test_multiprocess.py places one so)."""
+  key = jax.random.key(3, impl=impl)
+  for keys, spec in [(key, P()), (jax.random.split(key, 8), P("fsdp"))]:
+    sharding = NamedSharding(mesh, spec)
+    placed = fsdp.place(keys, sharding)
+    assert placed.dtype == keys.dtype and placed.sharding == sharding
+    np.testing.assert_array_equal(jax.random.key_data(placed), jax.random.key_data(keys))
+
+
+@pytest.mark.devices(8)
 def test_gather_uses_the_mesh_set_by_set_mesh(mesh, one_layer):
   params, _ = one_layer
   with pytest.raises(ValueError, match="jax.set_mesh"):

@@ -12,6 +12,7 @@ import os
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -56,6 +57,9 @@ def test_processes_train_fsdp_over_all_devices(tmp_path, processes, local_device
       _, i, k = name.split("/")
       index = tuple(slice(*bounds) for bounds in r[f"index/{i}/{k}"])
       assert np.array_equal(r[name], host_params[int(i)][k][index]), name
+    # A typed key placed over every process's devices (jg.fsdp.place: its data through the
+    # host) is the key in each of them.
+    assert np.array_equal(r["key_data"], jax.random.key_data(jax.random.key(fsdp_worker.KEY_SEED)))
   first, *others = [{name: value for name, value in r.items()
                      if not name.startswith(("shard/", "index/"))} for r in results]
   for other in others:

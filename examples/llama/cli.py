@@ -79,8 +79,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--fuse", nargs="?", const=True, type=fuse_length, metavar="K",
                       help="replay the blocks as one forward and one backward executable per "
                            "microbatch (sequential_vjp(..., fuse=True)), or with K as "
-                           "segments of at most K blocks (fuse=K: the compile stays one "
-                           "segment's; with --fsdp a block's all-gather can run under the "
+                           "segments of at most K blocks (fuse=K: at most two compiles, a "
+                           "K-block segment's and, when K does not divide the depth, the "
+                           "remainder's; with --fsdp a block's all-gather can run under the "
                            "block before): fewer host calls, the same kernels; the fused "
                            "executables compile on the first step")
   parser.add_argument("--residuals", choices=sorted(RESIDUAL_POLICIES), default="recompute",

@@ -5,28 +5,37 @@ metrics.json). docs/fsdp.md."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import jax
 
 import jaxgraph as jg
 from common import Corpus
 
-from .layers import Params, graphed
+from .layers import Layer, Params, graphed
 from .memory import state_bytes
 from .placement import Placement
 from .trainer import Stepper, Trainer
 
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
+COLLECTIVE = re.compile(r"\b(all-gather|reduce-scatter|all-reduce)(?:-start)?\(")
+ELEMENT_TYPE = re.compile(r"\b(bf16|f16|f32|f64|s32|u32|pred)\[")
 
 
 def collectives(compiled: Any) -> dict[str, int]:
-  """The collectives in the compiled HLO of `compiled`, by op (an asynchronous pair,
-  `-start` and `-done`, counts once). On CPU a reduce-scatter compiles to an all-reduce and
-  a dynamic-slice (docs/fsdp.md)."""
-  hlo = compiled.as_text()
-  return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
+  """The collectives in the compiled HLO of `compiled`, by op and element type (`all-gather
+  bf16`; one that combines arrays of several types, `all-reduce bf16/f32`); an asynchronous
+  pair, `-start` and `-done`, counts once. On CPU a reduce-scatter compiles to an all-reduce
+  and a dynamic-slice, and XLA runs bfloat16 collectives in float32 (docs/fsdp.md)."""
+  counts: dict[str, int] = {}
+  for line in compiled.as_text().splitlines():
+    found = COLLECTIVE.search(line)
+    if found is None or "=" not in line[:found.start()]:
+      continue  # not an instruction that defines a collective
+    types = sorted(set(ELEMENT_TYPE.findall(line[line.index("=") + 1:found.start()])))
+    key = f"{found.group(1)} {'/'.join(types)}"
+    counts[key] = counts.get(key, 0) + 1
+  return counts
 
 
 def layer_executables(layer: jg.GraphedCallable) -> tuple[Any, Any]:
@@ -35,6 +44,18 @@ def layer_executables(layer: jg.GraphedCallable) -> tuple[Any, Any]:
   (entry,) = layer._entries.values()
   forward = next(c for (_, residuals), c in entry.forward.items() if residuals)
   return forward, entry.backward["full"][0]
+
+
+def named_executables(layers: Sequence[Layer]) -> Iterator[tuple[str, Any]]:
+  """Per graphed layer of `layers`, its training forward and backward, named
+  `"Block[1] forward"`: identical blocks replay one entry, named after the first, so a
+  shared executable comes once per layer under one name."""
+  names: dict[int, str] = {}
+  for layer in graphed(layers):
+    forward, backward = layer_executables(layer)
+    name = names.setdefault(id(forward), layer.name)
+    yield f"{name} forward", forward
+    yield f"{name} backward", backward
 
 
 def placements(tree: Any) -> list[dict[str, Any]]:
@@ -61,13 +82,13 @@ def fsdp_report(placement: Placement, trainer: Stepper, params: Params, opt_stat
   Per executable of a step, the collectives of its compiled HLO, and their sum over a step.
   """
   arrays = {"params": placements(params), "opt_state": placements(opt_state)}
-  per_step = dict.fromkeys(COLLECTIVES, 0)
+  per_step: dict[str, int] = {}
   found: dict[str, dict[str, int]] = {}
 
   def add(name: str, compiled: Any, times: int) -> None:
     counts = found.setdefault(name, collectives(compiled))
-    for op, n in counts.items():
-      per_step[op] += n * times
+    for kind, n in counts.items():
+      per_step[kind] = per_step.get(kind, 0) + n * times
 
   microbatches = trainer.microbatches
   if isinstance(trainer, Trainer):
@@ -75,12 +96,8 @@ def fsdp_report(placement: Placement, trainer: Stepper, params: Params, opt_stat
     _, grads, _ = trainer.microbatch(params, *corpus.batch_at(0), positions)
     trainer.seed(streams)
     arrays["grads"] = placements(grads)
-    names: dict[int, str] = {}  # identical blocks replay one entry: name it after the first
-    for layer in graphed(trainer.layers):
-      forward, backward = layer_executables(layer)
-      name = names.setdefault(id(forward), layer.name)
-      add(f"{name} forward", forward, microbatches)
-      add(f"{name} backward", backward, microbatches)
+    for name, compiled in named_executables(trainer.layers):
+      add(name, compiled, microbatches)
     add("accumulate", trainer.accumulate, microbatches)
     add("update", trainer.apply, 1)
   else:

@@ -69,8 +69,10 @@ class Placement:
     return None if self.mesh is None else fsdp.batch_sharding(self.mesh)
 
   def shard(self, params: Params) -> Params:
-    """The params placed (`jg.fsdp.shard`: FlatTree buffers padded, sharded, and gathered
-    once per buffer where a layer unravels them)."""
+    """The params placed (`jg.fsdp.shard`): every FlatTree buffer of at least `min_size`
+    elements split into one part per device, each part a piece of every weight
+    (`jg.flat.split`), sharded, and gathered once per buffer where a layer unravels it; the
+    smaller buffers replicated."""
     if self.mesh is None:
       return params
     return fsdp.shard(params, self.mesh, min_size=self.min_size, gather_dtype=self.gather_dtype)
@@ -89,18 +91,11 @@ class Placement:
     return jax.jit(fn, **options)
 
   def replicate(self, tree: Any) -> Any:
-    """Every leaf of `tree` (the same value in every process) whole on every device."""
+    """Every leaf of `tree` (the same value in every process) whole on every device
+    (`jg.fsdp.place`: across processes too, keys included)."""
     if self.mesh is None:
       return tree
-
-    def put(x: Any) -> Any:
-      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(put(jax.random.key_data(x)),
-                                        impl=jax.random.key_impl(x))
-      # From the host: an array committed to one device cannot go to another process's.
-      return jax.device_put(np.asarray(x), self.replicated)
-
-    return jax.tree.map(put, tree)
+    return jax.tree.map(lambda x: fsdp.place(x, self.replicated), tree)
 
   def wait(self, tree: Any) -> Any:
     """`tree` (a step's results), waited for on a CPU mesh."""
