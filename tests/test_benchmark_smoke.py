@@ -24,9 +24,12 @@ SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0"
 @pytest.fixture
 def run_script(compilation_cache_env):
   """Runs a script under benchmarks/ on the CPU as the README says, from the root, with the
-  run's compilation cache (what an earlier script compiled is not compiled again)."""
-  def run(script, *args):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=SMOKE_XLA_FLAGS,
+  run's compilation cache (what an earlier script compiled is not compiled again); `devices`:
+  that many virtual CPU devices (as conftest.py gives the suite 8)."""
+  def run(script, *args, devices=None):
+    flags = SMOKE_XLA_FLAGS + ("" if devices is None else
+                               f" --xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
                **compilation_cache_env)
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
                           capture_output=True, text=True, env=env, timeout=900, check=False)
@@ -277,3 +280,74 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   found = json.loads((tmp_path / "llama_fsdp.json").read_text())
   assert found[0]["collectives"]["Block[1] forward"] == {"all-gather f32": 1}  # bf16 on GPUs
   assert "tiny:2" in run.stdout
+
+
+def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
+  """benchmarks/probes/fsdp_prefetch.py builds a plain-JAX FSDP step on 4 virtual devices as
+  one jit, per-layer executables and prefetching ones, checks every variant's gradients
+  against the whole step's (bitwise on the CPU but per-layer-2's, whose two-layer
+  executable rounds otherwise), times them and counts each executable's collectives."""
+  run = run_script("probes/fsdp_prefetch.py", "--tiny", "--out", str(tmp_path), devices=4)
+  result = json.loads((tmp_path / "fsdp_prefetch.json").read_text())
+  assert result["meta"]["devices"] == 4 and "count=4" in result["meta"]["xla_flags"]
+  variants = result["variants"]
+  assert list(variants) == ["whole", "whole-regather", "per-layer", "per-layer-2", "prefetch"]
+  assert result["correct"] and "correctness: every variant within" in run.stdout
+  for name, r in variants.items():
+    assert r["correct"]["ok"] and r["step_ms"]["median"] > 0 and r["vs_whole"] > 0, name
+    assert r["correct"]["bitwise"] or name == "per-layer-2", (name, r["correct"])
+
+  def count(variant, executable, op):
+    found = variants[variant]["collectives"][executable]
+    return sum(v["count"] for k, v in found.items() if k.split()[0] == op)
+
+  layers = result["meta"]["size"]["layers"]
+  assert count("whole", "step", "all-gather") == layers  # the forward's gathers kept
+  assert count("whole-regather", "step", "all-gather") == 2 * layers
+  assert count("whole-regather", "step", "reduce-scatter") == layers
+  assert [count("prefetch", exe, op) for exe in ("forward_prefetch", "forward_top",
+                                                  "backward_prefetch", "backward_bottom")
+          for op in ("all-gather", "reduce-scatter")] == [1, 0, 0, 0, 1, 1, 0, 2]
+  assert variants["prefetch"]["calls"] == 2 * layers + 2
+
+
+def test_fsdp_prefetch_reads_async_collectives_from_gpu_hlo():
+  """The collective counts of fsdp_prefetch.py on HLO as XLA:GPU prints it: a native
+  all-gather start/update/done pair with compute scheduled inside, one marked is_sync with
+  none, and a reduce-scatter wrapped in async-start/async-done."""
+  hlo = """HloModule m, is_scheduled=true
+
+%add (p0: bf16[], p1: bf16[]) -> bf16[] {
+  %p0 = bf16[] parameter(0)
+  %p1 = bf16[] parameter(1)
+  ROOT %add = bf16[] add(%p0, %p1)
+}, execution_thread="parallel_thread"
+
+%wrapped (param: bf16[8]) -> bf16[2] {
+  %param = bf16[8]{0} parameter(0)
+  ROOT %reduce-scatter.1 = bf16[2]{0} reduce-scatter(bf16[8]{0} %param), to_apply=%add
+}
+
+ENTRY %main.3 (p: bf16[8], q: bf16[2]) -> bf16[2] {
+  %p = bf16[8]{0} parameter(0)
+  %q = bf16[2]{0} parameter(1)
+  %all-gather-start = (bf16[2]{0}, bf16[8]{0}) all-gather-start(bf16[2]{0} %q), ASYNC
+  %all-gather-start.1 = (bf16[2]{0}, bf16[8]{0}) all-gather-start(bf16[2]{0} %q), SYNC
+  %all-gather-done.1 = bf16[8]{0} all-gather-done((bf16[2]{0}, bf16[8]{0}) %all-gather-start.1)
+  %reduce-scatter-start = ((bf16[8]{0}), bf16[2]{0}) async-start(bf16[8]{0} %p), calls=%wrapped
+  %fusion = bf16[8]{0} fusion(%p), kind=kLoop, calls=%fused_computation
+  %custom-call = bf16[8]{0} custom-call(%fusion), custom_call_target="__cublas$gemm"
+  %reduce-scatter-done = bf16[2]{0} async-done(((bf16[8]{0}), bf16[2]{0}) %reduce-scatter-start)
+  %all-gather-update = (bf16[2]{0}, bf16[8]{0}) all-gather-update(%all-gather-start)
+  %call = bf16[8]{0} call(%p), to_apply=%command_buffer
+  %all-gather-done = bf16[8]{0} all-gather-done((bf16[2]{0}, bf16[8]{0}) %all-gather-update)
+  ROOT %all-reduce = bf16[2]{0} all-reduce(bf16[2]{0} %reduce-scatter-done), to_apply=%add
+}
+"""
+  config = 'backend_config={"collective_backend_config":{"is_sync":%s}}'
+  hlo = hlo.replace("ASYNC", config % "false").replace("SYNC", config % "true")
+  found = _module("probes.fsdp_prefetch").hlo_collectives(hlo)
+  assert found == {
+      "all-gather bf16": {"count": 2, "async": 2, "sync_marked": 1, "compute_between": [3, 0]},
+      "reduce-scatter bf16": {"count": 1, "async": 1, "sync_marked": 0, "compute_between": [2]},
+      "all-reduce bf16": {"count": 1, "async": 0, "sync_marked": 0, "compute_between": []}}
