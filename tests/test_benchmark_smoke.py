@@ -291,7 +291,8 @@ def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
   result = json.loads((tmp_path / "fsdp_prefetch.json").read_text())
   assert result["meta"]["devices"] == 4 and "count=4" in result["meta"]["xla_flags"]
   variants = result["variants"]
-  assert list(variants) == ["whole", "whole-regather", "per-layer", "per-layer-2", "prefetch"]
+  assert list(variants) == ["whole", "whole-regather", "per-layer", "per-layer-2", "prefetch",
+                            "prefetch-keep"]
   assert result["correct"] and "correctness: every variant within" in run.stdout
   for name, r in variants.items():
     assert r["correct"]["ok"] and r["step_ms"]["median"] > 0 and r["vs_whole"] > 0, name
@@ -308,7 +309,18 @@ def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
   assert [count("prefetch", exe, op) for exe in ("forward_prefetch", "forward_top",
                                                   "backward_prefetch", "backward_bottom")
           for op in ("all-gather", "reduce-scatter")] == [1, 0, 0, 0, 1, 1, 0, 2]
-  assert variants["prefetch"]["calls"] == 2 * layers + 2
+  # the forward's gathered weights kept for the backward: no gather there, one a layer
+  assert [count("prefetch-keep", exe, op) for exe in ("forward_prefetch", "backward_top",
+                                                       "backward_reduce", "backward_bottom")
+          for op in ("all-gather", "reduce-scatter")] == [1, 0, 0, 0, 0, 1, 0, 2]
+  runs = {"gather": 1, "forward_prefetch": layers - 1, "forward_top": 1, "loss": 1,
+          "backward_top": 1, "backward_prefetch": layers - 2, "backward_reduce": layers - 2,
+          "backward_bottom": 1}  # calls per step
+  for name, gathers in (("prefetch", 2 * layers - 1), ("prefetch-keep", layers)):
+    assert sum(runs[exe] * count(name, exe, "all-gather") for exe in variants[name]["collectives"]
+               ) == gathers, name
+    assert sum(runs[exe] for exe in variants[name]["collectives"]) == variants[name]["calls"]
+  assert variants["prefetch"]["calls"] == variants["prefetch-keep"]["calls"] == 2 * layers + 2
 
 
 def test_fsdp_prefetch_reads_async_collectives_from_gpu_hlo():

@@ -30,9 +30,9 @@ autodiff of the gather gives). Everything runs in `jax.shard_map`.
 
 Variants (each compiled ahead of time; the per-layer ones driven by a Python loop):
   whole           one `jax.jit` of `jax.value_and_grad` of the step; XLA schedules everything
-                  and keeps what it likes for the backward (on the CPU: each gathered layer
-                  from the forward, one gather per layer; the collective counts say what the
-                  GPU's does). The reference of the ratios and the gradients.
+                  and keeps what it likes for the backward (on the CPU and on 4 H100s: each
+                  gathered layer from the forward, one gather per layer, `layers` a step). The
+                  reference of the ratios and the gradients.
   whole-regather  one executable again, with the split variants' residuals: the backward of
                   each layer gathers its weights again, as the split variants do (2 gathers
                   a layer). XLA merges a re-gather of the same shard with the forward's, even
@@ -62,6 +62,24 @@ Variants (each compiled ahead of time; the per-layer ones driven by a Python loo
                   call 2 gathered and 2 unreduced gradients (one being reduced, one produced),
                   1 of each between calls. An unreduced gradient is each device's whole bfloat16
                   layer, passed as [devices, padded] split along the first axis.
+  prefetch-keep   prefetch's forward, but every layer's gathered weights are kept for its
+                  backward (the Python driver holds what the forward calls return), which
+                  gathers nothing: one gather per layer, `layers` a step, what the whole step
+                  does on GPU (and on the CPU). Layer i's backward takes its kept gathered
+                  weights, its residuals, the cotangent and the unreduced gradient of layer
+                  i+1 that the previous backward returned, and reduce-scatters the latter
+                  beside its compute: `bwd(gathered_i, x, residuals, ct, full_grad_i+1) ->
+                  (ct_x, full_grad_i, grad_shard_i+1)` ("backward_reduce"). The ends as
+                  prefetch's, less the backward's gathers (one traced backward, what it gathers
+                  and reduces passed as parameters): the top layer's backward reduces nothing,
+                  layer 0's reduce-scatters both its own gradient and layer 1's. The cost is
+                  memory: each layer's gathered bfloat16 weights stay alive from its forward to
+                  its backward, one more gathered layer alive per layer (94 MB a layer per
+                  device at the 1B sizes): at the turn from forward to backward all 22 layers'
+                  (2.1 GB) against prefetch's 1. XLA's whole step keeps the same on GPU. With
+                  prefetch (2 x layers - 1 gathers) it separates the cost of the re-gathers
+                  from that of splitting the step into executables: on 4 H100s (jax 0.11.2,
+                  default flags) prefetch ran at 0.945 of whole, whole-regather at 0.962.
 
 Residuals (every split variant): `jax.vjp` of the layer under `jax.checkpoint` with
 `dots_with_no_batch_dims_saveable` (the matmul outputs are kept: q, k, v, the attention
@@ -69,7 +87,8 @@ branch's output, gate and up, 285 MB a layer per device at 8,192 tokens; element
 recomputed), its pullback's leaves returned by the forward executable and the pullback
 rebuilt from them in the backward one (as jaxgraph does). Weights are never matmul outputs,
 so the residuals never hold gathered weights: per-layer re-gathers from the shard, prefetch
-recomputes the weight slices from the gathered buffer its backward is given. Residuals that
+and prefetch-keep recompute the weight slices from the gathered buffer their backward is
+given (re-gathered or kept). Residuals that
 are the executable's inputs (the shard or gathered buffer, x) are passed again, not copied.
 
 Correctness: every run compares each variant's loss, layer gradients and input gradient
@@ -80,7 +99,7 @@ difference passes `--tolerance` (0.1). The variants run the same ops on the same
 but XLA may round a bfloat16 intermediate at other points in another executable (it keeps
 values in float32 inside a fusion: `--xla_allow_excess_precision`, on by default), and on
 a GPU each executable autotunes its own matmul kernels. On the CPU (4 tiny layers)
-whole-regather, per-layer and prefetch come out bitwise equal to whole and per-layer-2
+whole-regather, per-layer, prefetch and prefetch-keep come out bitwise equal to whole and per-layer-2
 differs by 1% (bitwise too with `--xla_allow_excess_precision=false`); 22 tiny layers, 2%.
 A variant wired wrong differs by far more (prefetch with layers 0 and 1's gradients
 swapped: 150%). The output projections are initialized scaled by
@@ -123,6 +142,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -139,7 +159,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 AXIS = "fsdp"
 COMPUTE = jnp.bfloat16
 POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-VARIANTS = ("whole", "whole-regather", "per-layer", "per-layer-2", "prefetch")
+VARIANTS = ("whole", "whole-regather", "per-layer", "per-layer-2", "prefetch", "prefetch-keep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,9 +472,11 @@ def per_layer(model: Model, shards: list[jax.Array], x: jax.Array, group: int) -
                  {"forward": fwd, "backward": bwd, "loss": loss_grad})
 
 
-def prefetch(model: Model, shards: list[jax.Array], x: jax.Array) -> Variant:
-  """Each executable also runs the next layer's gather (forward) or the previous backward's
-  reduce-scatter and the next gather (backward); the module docstring has the ends."""
+def prefetch(model: Model, shards: list[jax.Array], x: jax.Array, keep: bool) -> Variant:
+  """Each forward executable also runs the next layer's gather, each backward one the
+  previous backward's reduce-scatter and (unless `keep`) the next gather; with `keep` the
+  forward's gathered weights of every layer stay alive for the backward, which gathers
+  nothing. The module docstring has the ends."""
   if len(shards) < 2:
     raise ValueError("prefetch needs 2 layers or more")
   res = Residuals()
@@ -464,11 +486,6 @@ def prefetch(model: Model, shards: list[jax.Array], x: jax.Array) -> Variant:
     y, kept = res.split(layer, (gathered[0], x))
     return y, stacked(kept)
 
-  def backward(gathered: jax.Array, x: jax.Array, kept: list[jax.Array], ct: jax.Array
-               ) -> tuple[jax.Array, jax.Array]:
-    d_gathered, dx = res.pullback((gathered[0], x), unstacked(kept), ct)
-    return dx, d_gathered
-
   def first_gather(shard: jax.Array) -> jax.Array:
     return gather(shard)[None]
 
@@ -476,58 +493,59 @@ def prefetch(model: Model, shards: list[jax.Array], x: jax.Array) -> Variant:
     following = gather(shard_next)
     return (*forward(gathered, x), following[None])
 
-  def backward_top(gathered: jax.Array, shard_below: jax.Array, x: jax.Array,
-                   kept: list[jax.Array], ct: jax.Array) -> Any:
-    below = gather(shard_below)
-    dx, full = backward(gathered, x, kept, ct)
-    return dx, full[None], below[None]
-
-  def backward_prefetch(gathered: jax.Array, shard_below: jax.Array, x: jax.Array,
-                        kept: list[jax.Array], ct: jax.Array, full_above: jax.Array) -> Any:
-    below, grad_above = gather(shard_below), reduce(full_above[0])
-    dx, full = backward(gathered, x, kept, ct)
-    return dx, full[None], below[None], grad_above
-
-  def backward_bottom(gathered: jax.Array, x: jax.Array, kept: list[jax.Array], ct: jax.Array,
-                      full_above: jax.Array) -> Any:
-    grad_above = reduce(full_above[0])
-    dx, full = backward(gathered, x, kept, ct)
-    return dx, reduce(full), grad_above
+  def backward(gathered: jax.Array, shard_below: jax.Array | None, x: jax.Array,
+               kept: list[jax.Array], ct: jax.Array, full_above: jax.Array | None,
+               reduce_own: bool = False) -> Any:
+    """-> (ct_x, this layer's gradient: unreduced, or its shard with `reduce_own`, the layer
+    below gathered, the layer above's gradient shard); None for an argument: nothing to
+    gather (`keep`, or the bottom) or to reduce (the top), and None in its place out."""
+    below = None if shard_below is None else gather(shard_below)[None]
+    grad_above = None if full_above is None else reduce(full_above[0])
+    d_gathered, dx = res.pullback((gathered[0], x), unstacked(kept), ct)
+    return dx, reduce(d_gathered) if reduce_own else d_gathered[None], below, grad_above
 
   m, g = model, model.gathered_spec
   exe = {"gather": compile_mapped(m, first_gather, m.shard_spec),
          "forward_prefetch": compile_mapped(m, forward_prefetch, g, m.shard_spec, m.x_spec),
          "forward_top": compile_mapped(m, forward, g, m.x_spec)}
-  kept = res.specs(m)
-  exe |= {"backward_top": compile_mapped(m, backward_top, g, m.shard_spec, m.x_spec, kept,
-                                         m.x_spec),
-          "backward_prefetch": compile_mapped(m, backward_prefetch, g, m.shard_spec, m.x_spec,
-                                              kept, m.x_spec, g),
-          "backward_bottom": compile_mapped(m, backward_bottom, g, m.x_spec, kept, m.x_spec, g),
+  kept, below = res.specs(m), None if keep else m.shard_spec
+  middle = "backward_reduce" if keep else "backward_prefetch"
+  exe |= {"backward_top": compile_mapped(m, backward, g, below, m.x_spec, kept, m.x_spec, None),
+          middle: compile_mapped(m, backward, g, below, m.x_spec, kept, m.x_spec, g),
+          "backward_bottom": compile_mapped(m, functools.partial(backward, reduce_own=True),
+                                            g, None, m.x_spec, kept, m.x_spec, g),
           "loss": loss_executable(m)}
   n = len(shards)
 
   def step() -> tuple[jax.Array, list[jax.Array], jax.Array]:
-    gathered = exe["gather"](shards[0])
+    weights = [exe["gather"](shards[0])]  # gathered layers: all with `keep`, else the last
     xs, kept = [x], []
     for i in range(n - 1):
-      y, k, following = exe["forward_prefetch"](gathered, shards[i + 1], xs[-1])
+      y, k, following = exe["forward_prefetch"](weights[-1], shards[i + 1], xs[-1])
       xs.append(y)
       kept.append(k)
-      gathered = following
-    y, k = exe["forward_top"](gathered, xs[-1])  # `gathered` stays for the first backward
+      if not keep:
+        weights.pop()
+      weights.append(following)
+    y, k = exe["forward_top"](weights[-1], xs[-1])  # the top's weights stay for its backward
     xs.append(y)
     kept.append(k)
     value, ct = exe["loss"](xs.pop())
     grads: list[Any] = [None] * n
-    ct, full, gathered = exe["backward_top"](gathered, shards[n - 2], xs.pop(), kept.pop(), ct)
-    for i in range(n - 2, 0, -1):  # layer i: reduce i + 1, gather i - 1
-      ct, full, gathered, grads[i + 1] = exe["backward_prefetch"](
-          gathered, shards[i - 1], xs.pop(), kept.pop(), ct, full)
-    ct, grads[0], grads[1] = exe["backward_bottom"](gathered, xs.pop(), kept.pop(), ct, full)
+
+    def shard(i: int) -> jax.Array | None:  # the shard a backward gathers, if any
+      return None if keep else shards[i]
+
+    ct, full, gathered, _ = exe["backward_top"](weights.pop(), shard(n - 2), xs.pop(),
+                                                kept.pop(), ct, None)
+    for i in range(n - 2, 0, -1):  # layer i: reduce i + 1, gather i - 1 unless `keep`
+      ct, full, gathered, grads[i + 1] = exe[middle](
+          weights.pop() if keep else gathered, shard(i - 1), xs.pop(), kept.pop(), ct, full)
+    ct, grads[0], _, grads[1] = exe["backward_bottom"](
+        weights.pop() if keep else gathered, None, xs.pop(), kept.pop(), ct, full)
     return value, grads, ct
 
-  return Variant("prefetch", step, 2 * n + 2, exe)
+  return Variant("prefetch-keep" if keep else "prefetch", step, 2 * n + 2, exe)
 
 
 def build(name: str, model: Model, shards: list[jax.Array], x: jax.Array) -> Variant:
@@ -537,8 +555,8 @@ def build(name: str, model: Model, shards: list[jax.Array], x: jax.Array) -> Var
     return per_layer(model, shards, x, 1)
   if name == "per-layer-2":
     return per_layer(model, shards, x, 2)
-  if name == "prefetch":
-    return prefetch(model, shards, x)
+  if name in ("prefetch", "prefetch-keep"):
+    return prefetch(model, shards, x, keep=name == "prefetch-keep")
   raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
