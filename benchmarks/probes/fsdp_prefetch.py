@@ -78,8 +78,8 @@ Variants (each compiled ahead of time; the per-layer ones driven by a Python loo
                   device at the 1B sizes): at the turn from forward to backward all 22 layers'
                   (2.1 GB) against prefetch's 1. XLA's whole step keeps the same on GPU. With
                   prefetch (2 x layers - 1 gathers) it separates the cost of the re-gathers
-                  from that of splitting the step into executables: on 4 H100s (jax 0.11.2,
-                  default flags) prefetch ran at 0.945 of whole, whole-regather at 0.962.
+                  from that of splitting the step into executables (the numbers on 4 H100s:
+                  docs/fsdp.md, "What each lever gave").
 
 Residuals (every split variant): `jax.vjp` of the layer under `jax.checkpoint` with
 `dots_with_no_batch_dims_saveable` (the matmul outputs are kept: q, k, v, the attention
