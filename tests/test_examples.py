@@ -266,6 +266,12 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   w, h, kv = shape.width, shape.hidden, shape.kv_heads * (shape.width // shape.heads)
   shapes = [(w, w), (w, kv), (w, kv), (w, w), (w, h), (w, h), (h, w)]  # q k v out gate up down
   assert start["trained_params"] == shape.depth * sum(4 * (i + o) for i, o in shapes)
+  # A block keeps what the base run's does, and each projection's x @ A (rank 4, in the
+  # compute dtype) for B's gradient: its output (x @ A) @ B is recomputed, not kept.
+  tokens, itemsize = shape.batch * shape.context, np.dtype(jax.numpy.bfloat16).itemsize
+  kept, base_kept = (run["stats"]["train Block[1]"]["residual_bytes"]
+                     for run in (metrics, trained))
+  assert base_kept < kept <= base_kept + len(shapes) * tokens * 4 * itemsize
   # The held-out loss at step 0 is the loaded model's (B = 0: the adapters add nothing), and
   # drops; the train losses are the LoRA run's own.
   eval_losses = metrics["eval_losses"]

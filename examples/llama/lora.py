@@ -130,6 +130,14 @@ class FineTuning:
     """The part of `params` the optimizer takes."""
     return params if self.masks is None else jg.partition(params, self.masks)[0]
 
+  def residual_policy(self, policy: Callable[..., bool] | None
+                      ) -> Callable[..., bool] | None:
+    """The training layers' `remat_policy`: `policy`, and with LoRA adapters each adapter's
+    output recomputed by the backward (`recompute_adapter_outputs`)."""
+    if self.masks is None or policy is None:
+      return policy
+    return recompute_adapter_outputs(policy, self.meta["lora_rank"])
+
   def report(self, params: Params, placement: Placement) -> dict[str, Any]:
     """metrics.json's `fine_tuning`: the start, and for LoRA the frozen params' digest now,
     which must be the digest they had at the start."""
@@ -139,6 +147,30 @@ class FineTuning:
       return {"fine_tuning": self.meta}
     after = frozen_digest(params, self.masks, placement)
     return {"fine_tuning": {**self.meta, "base_params_sha256_after": after}}
+
+
+def recompute_adapter_outputs(policy: Callable[..., bool], rank: int) -> Callable[..., bool]:
+  """`policy`, except that an adapter's output `(x @ A) @ B` is recomputed, not kept.
+
+  Under `recompute_elementwise` every matmul output is kept, and an adapted projection's
+  output (`x @ W` plus the adapter's, an addition) is recomputed from both: kept, the
+  adapter's output would double what each projection keeps (on the `gpu` preset the LoRA
+  step's peak rose above full fine-tuning's). Recomputing it costs one matmul of rank `rank`
+  from `x @ A`, which the backward keeps anyway (B's gradient reads it). Matched by shape:
+  a matmul without batch dimensions whose right operand, a `rank` x n matrix, is contracted
+  over its `rank` rows.
+  """
+
+  def keep(prim: Any, *avals: Any, **params: Any) -> bool:
+    if prim.name == "dot_general":
+      (_, rhs_contracting), (lhs_batch, _) = params["dimension_numbers"]
+      rhs = avals[1]
+      if (not lhs_batch and rhs.ndim == 2 and rhs.shape[0] == rank
+          and tuple(rhs_contracting) == (0,)):
+        return False
+    return policy(prim, *avals, **params)
+
+  return keep
 
 
 def is_adapter(path: tuple[Any, ...]) -> bool:

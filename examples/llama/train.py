@@ -361,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   params, placement = place(params, args.flat, mesh, model.config.compute_dtype)
   # --init-from: the params of a trained run; --lora: adapters over them, the rest frozen.
   fns, params, tuning = lora.start(args, preset, model, fns, params, placement)
+  policy = tuning.residual_policy(policy)
 
   # Capture, then the optimizer and the step; with --fsdp, where everything lives.
   captured = capture(args, preset, model.config, fns, params, placement, policy, tuning)
