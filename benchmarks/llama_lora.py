@@ -7,7 +7,8 @@
 First a base run (`examples/llama/train.py --preset P --steps BASE`), then `--repeats` pairs
 of fine-tuning runs from its last checkpoint (`--init-from`), each in a fresh process and
 its own `--out`: "full" trains every param, "lora" rank-`--rank` adapters only (`--lora`),
-the pair's order alternated from one repeat to the next. Each run's tokens/s is the
+the pair's order alternated from one repeat to the next (`--variants lora`: LoRA runs only,
+for their memory). Each run's tokens/s is the
 training loop's own (metrics.json `tokens_per_second`: the median of its rounds of the
 preset's `round_steps` steps after a warm-up round; evaluation and checkpoints not
 counted), so `--steps` must hold at least two rounds. No `--check`, no generation.
@@ -111,6 +112,8 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=200, help="steps of each fine-tuning run")
   parser.add_argument("--rank", type=int, default=16, help="the lora runs' --lora")
   parser.add_argument("--repeats", type=int, default=3, help="pairs of full and lora runs")
+  parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                      help="the fine-tuning runs of each repeat (default: both)")
   parser.add_argument("--cache", type=pathlib.Path, default=ROOT / "runs" / "cache",
                       help="the example's tokenizers and encoded texts (its --cache)")
   parser.add_argument("--out", type=pathlib.Path, default=ROOT / "runs" / "llama-lora")
@@ -128,7 +131,8 @@ def main() -> None:
                     "final_eval_loss": metrics["eval_losses"][-1][1]}
   flags = {"full": (), "lora": ("--lora", str(args.rank))}
   for repeat in range(args.repeats):
-    order = VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]
+    order = [v for v in VARIANTS if v in args.variants]
+    order = order if repeat % 2 == 0 else order[::-1]
     for variant in order:
       metrics = train(args, args.out / f"{variant}-{repeat}", "--steps", str(args.steps),
                       "--init-from", str(base), *flags[variant])
