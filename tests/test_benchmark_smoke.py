@@ -189,6 +189,17 @@ def test_host_per_call_reports_the_tree_it_measured(run_script):
   assert result["us_per_call"] > 0 and result["backend"] == "cpu"
 
 
+def test_host_per_call_times_fsdp_over_devices_against_the_bare_executables(run_script):
+  """--devices 2: flat params sharded over 2 devices, the same executables called bare, and
+  jaxgraph's Python alone; every time is reported."""
+  run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2",
+                   "--devices", "2", devices=2)
+  result = json.loads(run.stdout.splitlines()[-1])
+  assert result["devices"] == 2 and not result["replicated"]
+  assert all(result[k] > 0 for k in ("us_per_call", "bare_us_per_call", "own_us_per_call",
+                                     "cpu_us_per_call", "bare_cpu_us_per_call"))
+
+
 def _offload_bench():
   return _module("offload_bench")
 

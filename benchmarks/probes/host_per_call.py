@@ -1,22 +1,75 @@
 """jaxgraph's host path per replayed call: small layers, so the host cost is what is timed.
 
-Four identical layers (4 matmuls of 16 × 16, pytree params of 8 leaves) replayed through
-`vjp` and their pullbacks; the median of `--rounds` rounds of `--steps` steps, in µs per
-executable call. Compare two trees by alternating the package on the path (the tree to
+Four identical layers (4 matmuls of 8 × 16 by 16 × 16, pytree params of 8 leaves)
+replayed through `vjp` and their pullbacks; the median of `--rounds` rounds of `--steps`
+steps, in µs per executable call. Compare two trees by alternating the package on the path (the tree to
 measure first, this one after it for `benchmarks`):
 
   for t in .old . .old .; do PYTHONPATH=$t:. python3 benchmarks/probes/host_per_call.py; done
   PYTHONPATH=. python3 benchmarks/probes/host_per_call.py --rounds 2 --steps 2   # smoke run
+
+`--devices N` (N > 1): FSDP over a mesh of the first N devices, as the Llama example runs
+it: each layer's params raveled (`jg.flat.ravel`) and sharded (`jg.fsdp.shard`: one buffer
+split N ways, gathered inside the forward and reduce-scattered by the backward), x and its
+cotangent batch-sharded (`jg.fsdp.batch_sharding`). N = 1: the flat params on one device,
+no mesh (as the example's N = 1). On the CPU, N virtual devices:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+    PYTHONPATH=. python3 benchmarks/probes/host_per_call.py --devices 4
+
+Every run also times `bare`: the same compiled executables (the forward with residuals and
+the backward jaxgraph captured) called directly, `Compiled.__call__` with the arguments
+jaxgraph passes, and no Python of jaxgraph's around them; `jaxgraph - bare` is jaxgraph's
+own host cost per call. On the CPU the bare call also runs the devices' work (their threads
+share the cores with Python), so the difference is noisy; `own` times jaxgraph's Python
+alone: the jaxgraph step again, its executables replaced by functions that return outputs
+recorded from one real call. `--replicated` places params and batch whole on every device
+of the mesh: executables over N devices without collectives (on a GPU this separates the
+runtime's cost per device from that of the collectives). `cpu` is the main thread's CPU
+time per call (`time.thread_time`): host work without the waits.
+
+Measured (jaxgraph at a690231; 2 shared vCPUs, XLA:CPU with 8 virtual devices, jax 0.10.2;
+`--rounds 10 --steps 10`, two runs each, µs per call):
+
+  devices          jaxgraph    bare   own   jaxgraph cpu   bare cpu
+  0 (pytrees)      81, 107   65, 62  40, 39      80, 106     63, 60
+  1 (flat)          82, 81   56, 68  29, 26       81, 80     29, 45
+  4 FSDP          523, 580 449, 496  24, 26     151, 171     83, 94
+  8 FSDP          988, 686 905, 723  26, 16     202, 112    117, 72
+  4 replicated    364, 406 262, 300  27, 28     127, 174     77, 92
+  8 replicated    457, 348 408, 406  28, 17     153, 114    127, 111
+
+* What grows with the devices is the bare call: the runtime's dispatch of one executable
+  over N devices, and on the CPU also their work, which shares the 2 cores with Python
+  (wall 56-68 µs at N = 1, 449-496 at 4, 723-905 at 8). On the main thread the bare call
+  costs 29-45, 83-94 and 72-117 µs: py-spy --native puts it in PjRt's
+  `CommonPjRtLoadedExecutable::Execute` -> `LaunchOnDevice` once per device (a thread-pool
+  `Schedule`, mostly `pthread_cond_signal`), and freeing the N-shard arrays costs more per
+  array (`PjRtBuffer` releases).
+* jaxgraph's own Python does not grow with N: 24-29 µs a call at N = 1 and 4, 16-26 at 8
+  (`own`), and no frame of it works per device (no per-shard loop, no sharding compared
+  beyond a dict lookup of the signature's interned shardings). Between real calls it costs
+  more (`jaxgraph cpu - bare cpu`: 35-52 µs at N = 1, 68-77 at 4, 40-85 at 8; the spread is
+  the machine's; caches cold after each runtime call, we think), spread thin over
+  `_replay_forward`, `signature_of`, `Pullback.__call__`, `assemble` (cProfile, py-spy): no
+  hot spot to cut.
+* A mesh of one device (not measured above: `--devices 1` has none, as
+  benchmarks/llama_fsdp.py's N = 1) respells each gradient's sharding (`pullback.placed_as`,
+  `P("fsdp")` is `P()` there): ~16 µs a gradient, 19% of the main thread there; it is
+  already cheaper than `jax.device_put` to the equal sharding (~46 µs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxgraph as jg
 from benchmarks import harness
@@ -28,42 +81,131 @@ def layer(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
   return x
 
 
+def bare_step(entry: Any, params: list[Any], x: jax.Array, ct: jax.Array
+              ) -> Callable[[], jax.Array]:
+  """A step of `entry`'s executables called directly: forwards, then backwards in reverse."""
+  layout = entry.layout
+  forward, backward = entry.forward["explicit", True], entry.backward["full"][0]
+  leaves = [jax.tree.leaves(p) for p in params]
+
+  def step() -> jax.Array:
+    h, saved = x, []
+    for p in leaves:
+      inputs = [*p, h]
+      values = forward(*inputs)
+      outs = values[:layout.n_out]
+      saved.append(([inputs[i] for i in layout.needed_inputs],
+                    [outs[i] for i in layout.needed_outputs], values[layout.n_out:]))
+      h = outs[0]
+    g = ct
+    for ins, outs, kept in reversed(saved):
+      g = backward(*ins, *outs, *kept, g)[-1]  # x is the last differentiated leaf
+    return g
+
+  return step
+
+
+def replace_executables(layers: list[Any], entry: Any, params: Any, x: jax.Array,
+                        ct: jax.Array) -> None:
+  """Replaces the executables of `entry` by functions that return outputs recorded from one
+  real call each: a jaxgraph step then costs its own Python alone (and `entry` is spoiled,
+  so this comes last)."""
+  layout = entry.layout
+  key = ("explicit", True)
+  forward, (backward, select) = entry.forward[key], entry.backward["full"]
+  inputs = [*jax.tree.leaves(params), x]
+  values = list(forward(*inputs))
+  grads = list(backward(*[inputs[i] for i in layout.needed_inputs],
+                        *[values[i] for i in layout.needed_outputs], *values[layout.n_out:], ct))
+  entry.forward[key] = lambda *_: list(values)
+  entry.backward["full"] = (lambda *_: list(grads), select)
+  for graphed in layers:
+    graphed._replayed.clear()  # the executables each callable resolved before
+
+
+def per_call(step: Callable[[], jax.Array], calls: int, rounds: int, steps: int, *,
+             wait: bool) -> dict[str, float]:
+  """µs per executable call, wall clock (`harness.summary` of the rounds) and the main
+  thread's CPU time (`cpu`, the median round): what Python and the runtime's dispatch cost
+  the host, without the waits. `wait`: waits for every step's result (see `main`)."""
+  jax.block_until_ready(step())
+  samples, cpu = [], []
+  for _ in range(rounds):
+    begin, begin_cpu = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+      g = step()
+      if wait:
+        jax.block_until_ready(g)
+    jax.block_until_ready(g)
+    samples.append((time.perf_counter() - begin) / calls * 1e6)
+    cpu.append((time.thread_time() - begin_cpu) / calls * 1e6)
+  return harness.summary(samples) | {"cpu": statistics.median(cpu)}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=30)
   parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--devices", type=int, default=0,
+                      help="flat params, FSDP over this many devices (sharded params and "
+                           "batch); 1: one device, no mesh; 0: pytree params, one device")
+  parser.add_argument("--replicated", action="store_true",
+                      help="with --devices N > 1: params and batch replicated over the mesh "
+                           "instead, so every device runs the whole layer, no collective")
   args = parser.parse_args()
+  if args.replicated and args.devices < 2:
+    parser.error("--replicated needs --devices N with N > 1")
   params = ({f"w{i}": jnp.full((16, 16), 0.01) for i in range(4)}
             | {f"b{i}": jnp.zeros(16) for i in range(4)})
-  x, ct = jnp.ones((4, 16)), jnp.ones((4, 16))
-  layers = jg.make_graphed([layer] * args.layers, sample_args=[(params, x)] * args.layers,
+  x, ct = jnp.ones((8, 16)), jnp.ones((8, 16))
+  if not args.devices:
+    stack = [params] * args.layers
+  else:
+    stack = [jg.flat.ravel(params) for _ in range(args.layers)]
+  if args.devices > 1:
+    mesh = jg.fsdp.make_mesh(devices=jax.devices()[:args.devices])
+    if args.replicated:
+      stack, x, ct = jax.device_put((stack, x, ct), NamedSharding(mesh, PartitionSpec()))
+    else:
+      stack = jg.fsdp.shard(stack, mesh)
+      x, ct = (jax.device_put(v, jg.fsdp.batch_sharding(mesh)) for v in (x, ct))
+  layers = jg.make_graphed([layer] * args.layers, sample_args=[(p, x) for p in stack],
                            num_warmup_iters=1)
 
   def step() -> jax.Array:
     h, pullbacks = x, []
-    for graphed in layers:
-      h, pullback = graphed.vjp(params, h)
+    for graphed, p in zip(layers, stack):
+      h, pullback = graphed.vjp(p, h)
       pullbacks.append(pullback)
     g = ct
     for pullback in reversed(pullbacks):
       _, g = pullback(g)
     return g
 
-  jax.block_until_ready(step())
-  calls = 2 * args.layers * args.steps
-  samples = []
-  for _ in range(args.rounds):
-    begin = time.perf_counter()
-    for _ in range(args.steps):
-      g = step()
-    jax.block_until_ready(g)
-    samples.append((time.perf_counter() - begin) / calls * 1e6)
-  found = harness.summary(samples)
-  result = {"jaxgraph": jg.__file__, "backend": jax.default_backend(),
-            "us_per_call": found["median"], "spread_pct": found["spread_pct"]}
-  print(f"{'jaxgraph':<40} {'µs/call':>8} {'spread':>7}")
-  print(f"{result['jaxgraph']:<40} {result['us_per_call']:>8.1f} {result['spread_pct']:>6.0f}%")
+  entry = next(iter(layers[0]._entries.values()))
+  calls, rounds = 2 * args.layers * args.steps, args.rounds // 2 or 1
+  # With collectives, XLA:CPU hangs when executions pile up on machines of few cores
+  # (probes/cpu_collective_deadlock.py): there every step waits for its result.
+  wait = args.devices > 1 and not args.replicated and jax.default_backend() == "cpu"
+  found = harness.interleaved(2, {
+      "jaxgraph": lambda: per_call(step, calls, rounds, args.steps, wait=wait),
+      "bare": lambda: per_call(bare_step(entry, stack, x, ct), calls, rounds, args.steps,
+                               wait=wait)})
+  best = {name: min(runs, key=lambda r: r["median"]) for name, runs in found.items()}
+  replace_executables(layers, entry, stack[0], x, ct)
+  own = per_call(step, calls, args.rounds, args.steps, wait=False)
+  result = {"jaxgraph": jg.__file__, "backend": jax.default_backend(), "devices": args.devices,
+            "replicated": args.replicated, "us_per_call": best["jaxgraph"]["median"],
+            "bare_us_per_call": best["bare"]["median"], "own_us_per_call": own["median"],
+            "cpu_us_per_call": best["jaxgraph"]["cpu"], "bare_cpu_us_per_call": best["bare"]["cpu"],
+            "spread_pct": max(r["spread_pct"] for r in found["jaxgraph"])}
+  columns = ("us_per_call", "bare_us_per_call", "own_us_per_call", "cpu_us_per_call",
+             "bare_cpu_us_per_call")
+  print(f"{'jaxgraph':<40} {'devices':>7} {'µs/call':>8} {'bare':>8} {'own':>8} {'cpu':>8} "
+        f"{'bare cpu':>8} {'spread':>7}")
+  print(f"{result['jaxgraph']:<40} {args.devices:>7} "
+        + " ".join(f"{result[c]:>8.1f}" for c in columns) + f" {result['spread_pct']:>6.0f}%")
   print(json.dumps(result))
 
 
