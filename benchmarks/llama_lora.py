@@ -33,6 +33,8 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "llama" / "train.py"
+sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package
+from llama.presets import PRESETS  # noqa: E402
 VARIANTS = ("full", "lora")
 
 
@@ -106,7 +108,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--preset", default="gpu", help="the example's --preset")
+  parser.add_argument("--preset", default="gpu", choices=sorted(PRESETS),
+                      help="the example's --preset")
   parser.add_argument("--base-steps", type=int, default=50,
                       help="steps of the base run (it checkpoints at its last)")
   parser.add_argument("--steps", type=int, default=200, help="steps of each fine-tuning run")
@@ -118,6 +121,10 @@ def main() -> None:
                       help="the example's tokenizers and encoded texts (its --cache)")
   parser.add_argument("--out", type=pathlib.Path, default=ROOT / "runs" / "llama-lora")
   args = parser.parse_args()
+  round_steps = PRESETS[args.preset].round_steps
+  if args.steps < 2 * round_steps:
+    parser.error(f"--steps {args.steps} times no round: the preset's tokens/s needs a warm-up "
+                 f"round and a timed one of {round_steps} steps, at least {2 * round_steps}")
   args.out.mkdir(parents=True, exist_ok=True)
   if any(args.out.iterdir()):
     parser.error(f"--out {args.out} is not empty: every run writes a folder there; give a new "
@@ -136,9 +143,6 @@ def main() -> None:
     for variant in order:
       metrics = train(args, args.out / f"{variant}-{repeat}", "--steps", str(args.steps),
                       "--init-from", str(base), *flags[variant])
-      if not metrics["tokens_per_second"]:
-        parser.error(f"--steps {args.steps} timed no round: give at least two rounds of the "
-                     "preset's round_steps")
       result["runs"].append(record(variant, repeat, metrics))
       result["table"] = table(result["runs"])
       (args.out / "llama_lora.json").write_text(json.dumps(result, indent=1))

@@ -748,7 +748,8 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=5, help="steps per timed round")
   parser.add_argument("--tolerance", type=float, default=0.1,
-                      help="largest difference from whole's gradients, over the array's max")
+                      help="largest relative difference from whole of one array (loss, a layer's "
+                           "gradient, the input's): the difference's norm over whole's")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--trace", default=None, metavar="DIR",
                       help="write a profiler trace of --trace-steps steps per variant here")

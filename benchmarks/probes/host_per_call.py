@@ -2,8 +2,8 @@
 
 Four identical layers (4 matmuls of 8 × 16 by 16 × 16, pytree params of 8 leaves)
 replayed through `vjp` and their pullbacks; the median of `--rounds` rounds of `--steps`
-steps, in µs per executable call. Compare two trees by alternating the package on the path (the tree to
-measure first, this one after it for `benchmarks`):
+steps, in µs per executable call. Compare two trees by alternating the package on the path
+(the tree to measure first, this one after it for `benchmarks`):
 
   for t in .old . .old .; do PYTHONPATH=$t:. python3 benchmarks/probes/host_per_call.py; done
   PYTHONPATH=. python3 benchmarks/probes/host_per_call.py --rounds 2 --steps 2   # smoke run
