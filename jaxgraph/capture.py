@@ -9,6 +9,7 @@ across traces, so only the leaves cross executables (https://github.com/jax-ml/j
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pickle
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import serialize_executable
 
+from jaxgraph import explicit as explicit_lib
 from jaxgraph import flat as flat_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import rng as rng_lib
@@ -146,6 +148,8 @@ class Executables:
   compile_seconds: float
   residual_bytes: int               # what one forward keeps for its backward (kept, packed)
   donated: tuple[int, ...] = ()     # argument leaves the outputs-only forwards donate
+  # traced on the Explicit twin of the arguments' mesh (`explicit.Twin`), or None
+  twin: explicit_lib.Twin | None = None
 
 
 def _is_inexact(dtype: Any) -> bool:
@@ -214,7 +218,8 @@ def _trace(forward: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct],
 def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
                   diff: tuple[int, ...], name: str,
                   remat_policy: Callable[..., bool] | None = None,
-                  loose_names: bool = False) -> tuple[Any, Layout]:
+                  loose_names: bool = False,
+                  twin: explicit_lib.Twin | None = None) -> tuple[Any, Layout]:
   """Traces `fn` once through `jax.vjp`; returns the closed jaxpr and the residual layout.
 
   The jaxpr maps `(*arg_leaves, *keys)` to `[*output_leaves, *kept_residuals]`. `fn` gets
@@ -225,7 +230,8 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
   arguments reaches `fn` unraveled; the VJP is taken with respect to the unraveled leaves,
   so the slices it keeps are recomputed by the backward.
   With `remat_policy`, `fn` runs under `jax.checkpoint` with that policy: only what the
-  policy saves is kept, the rest is recomputed in the backward.
+  policy saves is kept, the rest is recomputed in the backward. With `twin`, `fn` is traced
+  on the Explicit twin of the arguments' mesh.
   """
   n_args = len(signature.leaves)
   expansion = flat_lib.expansion(signature.treedef)
@@ -264,7 +270,8 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
                  n_kept=len(kept))
     return [*out_leaves, *kept]
 
-  traced = _trace(forward, _trace_specs(signature, n_keys), name)
+  with _tracing(twin):
+    traced = _trace(forward, _trace_specs(_traced(signature, twin), n_keys), name)
   out_info = traced.out_info
   n_out = len(out_info) - found["n_kept"]
   out_specs = _output_specs(out_info[:n_out], name)
@@ -286,6 +293,15 @@ def trace_forward(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_key
       needed_outputs=tuple(sorted({i for kind, i in sources if kind == "out"})),
       buffers=tuple(buffers))
   return traced.jaxpr, layout
+
+
+def _traced(signature: sig_lib.Signature, twin: explicit_lib.Twin | None) -> sig_lib.Signature:
+  """The signature a trace sees: `signature`, on the Explicit twin of its mesh with `twin`."""
+  return signature if twin is None else twin.signature(signature)
+
+
+def _tracing(twin: explicit_lib.Twin | None) -> Any:
+  return contextlib.nullcontext() if twin is None else twin.tracing()
 
 
 def _packs(signature: sig_lib.Signature) -> bool:
@@ -374,6 +390,41 @@ def _forward_specs(signature: sig_lib.Signature, layout: Layout,
   return [rng_lib.key_spec(), counter, counter] * layout.n_keys + arg_specs
 
 
+def _compile_forward(timer: _Timer, closed: Any, layout: Layout, signature: sig_lib.Signature,
+                     kind: ForwardKind, *, residuals: bool, moved: tuple[int, ...],
+                     twin: explicit_lib.Twin | None, donate: tuple[int, ...] = ()) -> Any:
+  """Compiles a forward of `closed`. On a twin, its outputs leave on the Auto mesh (reduced
+  ones on the twin); kept residuals, keys and counters stay where XLA puts them."""
+  fwd = _forward_fn(closed, layout, kind, outputs_only=not residuals, moved=moved)
+  placed = {}
+  if twin is not None:
+    outs = [_outside(aval.sharding, twin, cotangent=False)
+            for aval in closed.out_avals[:layout.n_out]]
+    rest = ((layout.n_kept if residuals else 0)
+            + (2 * layout.n_keys if kind == "stream" else 0))
+    placed = {"out_shardings": outs + [None] * rest}
+  with _tracing(twin):
+    traced = jax.jit(fwd, donate_argnums=donate, **placed).trace(
+        *_forward_specs(_traced(signature, twin), layout, kind))
+  return timer.compile(traced)
+
+
+def _inside(spec: jax.ShapeDtypeStruct, twin: explicit_lib.Twin | None, *,
+            cotangent: bool = False) -> jax.ShapeDtypeStruct:
+  """An output's spec as a backward traced on `twin` takes it (as a cotangent: unreduced)."""
+  if twin is None:
+    return spec
+  return jax.ShapeDtypeStruct(spec.shape, spec.dtype, weak_type=spec.weak_type,
+                              sharding=twin.inside(spec.sharding, cotangent=cotangent))
+
+
+def _outside(sharding: Any, twin: explicit_lib.Twin, *, cotangent: bool) -> Any:
+  """Where a value typed `sharding` on the twin leaves an executable (None: unplaced)."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  return twin.outside(sharding.spec, cotangent=cotangent)
+
+
 def _donated_positions(donated: Sequence[int], layout: Layout,
                        kind: ForwardKind) -> tuple[int, ...]:
   """The positions of the donated argument leaves among a forward's inputs: the stream
@@ -411,7 +462,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
             offload: offload_lib.Policy | None, name: str, warned_weights: dict[int, Any],
             remat_policy: Callable[..., bool] | None = None, loose_names: bool = False,
-            warn_constant_keys: bool = True) -> Executables:
+            warn_constant_keys: bool = True,
+            twin: explicit_lib.Twin | None = None) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -435,26 +487,28 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       (offload selects them by name: `make_graphed(..., offload_names=...)`).
     warn_constant_keys: warn of keys that are constants of `fn` (a fused chain does not:
       such a key is there at every signature, and its layer's own capture warned).
+    twin: trace on the Explicit twin of the arguments' mesh (`explicit.Twin`): reduced
+      arguments get unreduced gradients, and the rest leaves on the arguments' Auto mesh.
   """
   timer = _Timer()
   start = time.perf_counter()
   closed, layout = trace_forward(fn, signature, n_keys=n_keys, diff=diff, name=name,
-                                 remat_policy=remat_policy, loose_names=loose_names)
+                                 remat_policy=remat_policy, loose_names=loose_names, twin=twin)
   trace_seconds = time.perf_counter() - start
   if warn_constant_keys:
     _warn_constant_keys(closed, name)
   _warn_constant_weights(closed, name, warned_weights)
   first: ForwardKind = "stream" if n_keys else "explicit"
   moved = offload.select(layout.buffers) if offload is not None else ()
-  fwd = _forward_fn(closed, layout, first, outputs_only=False, moved=moved)
-  forward = {(first, True): timer.compile(
-      jax.jit(fwd).trace(*_forward_specs(signature, layout, first)))}
+  forward = {(first, True): _compile_forward(timer, closed, layout, signature, first,
+                                             residuals=True, moved=moved, twin=twin)}
   out_info = forward[first, True].out_info  # outputs, kept residuals, then stream keys/counters
-  in_specs = _forward_specs(signature, layout, "explicit")
+  traced = _traced(signature, twin)
+  in_specs = _forward_specs(traced, layout, "explicit")
   bwd_specs = ([in_specs[i] for i in layout.needed_inputs]
-               + [out_info[i] for i in layout.needed_outputs]
-               + list(out_info[layout.n_out:layout.n_out + layout.n_kept])
-               + [out_info[i] for i in layout.ct_leaves])
+               + [_inside(out_info[i], twin) for i in layout.needed_outputs]
+               + [_inside(o, twin) for o in out_info[layout.n_out:layout.n_out + layout.n_kept]]
+               + [_inside(out_info[i], twin, cotangent=True) for i in layout.ct_leaves])
   first_kept = len(layout.needed_inputs) + len(layout.needed_outputs)
   # Offloaded residuals are host buffers: donating them frees no device memory, and XLA would
   # alias them to device outputs (the result then has the wrong memory kind and aborts).
@@ -463,19 +517,23 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
   for position, (kind, select) in enumerate(backward):
     last = position == len(backward) - 1
     # Each gradient comes back with its input's sharding (FSDP: reduce-scattered weight
-    # grads); None (an uncommitted input) leaves the choice to XLA, as before.
-    grad_shardings = [signature.leaves[leaf].sharding for leaf in select]
+    # grads; on a twin, a reduced input's unreduced); None (an uncommitted input) leaves the
+    # choice to XLA, as before.
+    grad_shardings = [signature.leaves[leaf].sharding if twin is None else
+                      _outside(traced.leaves[leaf].sharding, twin, cotangent=True)
+                      for leaf in select]
     placed = ({"out_shardings": grad_shardings}
               if any(s is not None for s in grad_shardings) else {})
     bwd = jax.jit(_backward_fn(layout, select, moved), donate_argnums=donate if last else (),
                   **placed)
-    compiled_backward[kind] = (timer.compile(bwd.trace(*bwd_specs)), select)
+    with _tracing(twin):
+      compiled_backward[kind] = (timer.compile(bwd.trace(*bwd_specs)), select)
   kept_specs = out_info[layout.n_out:layout.n_out + layout.n_kept]
   return Executables(signature=signature, layout=layout, forward=forward,
                      backward=compiled_backward, closed_jaxpr=closed, moved=moved,
                      compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds,
                      residual_bytes=sum(math.prod(s.shape) * s.dtype.itemsize
-                                        for s in kept_specs))
+                                        for s in kept_specs), twin=twin)
 
 
 def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
@@ -644,10 +702,9 @@ def forward_executable(entry: Executables, kind: ForwardKind, *,
   if compiled is not None:
     return compiled, 0.0
   timer = _Timer()
-  fwd = _forward_fn(entry.closed_jaxpr, entry.layout, kind, outputs_only=not residuals,
-                    moved=entry.moved if residuals else ())
   donate = () if residuals else _donated_positions(entry.donated, entry.layout, kind)
-  compiled = timer.compile(jax.jit(fwd, donate_argnums=donate).trace(
-      *_forward_specs(entry.signature, entry.layout, kind)))
+  compiled = _compile_forward(timer, entry.closed_jaxpr, entry.layout, entry.signature, kind,
+                              residuals=residuals, moved=entry.moved if residuals else (),
+                              twin=entry.twin, donate=donate)
   entry.forward[kind, residuals] = compiled
   return compiled, timer.seconds

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import jax
 
 from jaxgraph import fusion as fusion_lib
+from jaxgraph import prefetch as prefetch_lib
 from jaxgraph import pullback as pullback_lib
 from jaxgraph.graphed import GraphedCallable, Pullback  # by name: docs/api.md shows the types
 
@@ -58,7 +59,8 @@ class SequentialPullback:
 
 def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any, *,
                    consts: tuple[Any, ...] = (), keys: Sequence[jax.Array] | None = None,
-                   fuse: bool | int = False) -> tuple[Any, SequentialPullback]:
+                   fuse: bool | int = False, prefetch: bool | None = None
+                   ) -> tuple[Any, SequentialPullback]:
   """Chains `x = layer(params, x, *consts)` through a stack; returns `(y, pullback)`.
 
   Args:
@@ -84,6 +86,17 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       remainder of one layer replays unfused), the host calls fall `k`-fold, and inside a
       segment XLA's scheduler can overlap a layer's FSDP all-gather with the layer before's
       compute. `fuse=1` is unfused.
+    prefetch: FSDP prefetch across executables (`jaxgraph.prefetch`): in each run of
+      adjacent layers whose params are flat FSDP buffers (`jg.fsdp.shard` of FlatTrees) and
+      that have no replay-time hook, delayed wgrad or offload, layer i's forward also
+      gathers layer i+1's weights, each layer's gathered weights are kept for its backward,
+      and layer i's backward reduce-scatters layer i+1's weight gradient under its own
+      compute. The same math as unprefetched (the gradients' reductions may add in another
+      order); a run holds every layer's gathered weights from its forward to its backward.
+      Compiles three executable pairs per run of identical layers (its first, middle and
+      last). None (default): on GPUs (`prefetch.PREFETCH_PLATFORMS`), where the collectives
+      run beside compute, and not with `fuse`. A run whose layer does not trace on the
+      Explicit twin of its mesh runs unprefetched, said once on the `jaxgraph` logger.
 
   Returns:
     `(y, pullback)` with `pullback(ct) -> (grads_list, g_x)`: `grads_list[i]` is the gradient
@@ -110,9 +123,25 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
   else:
     raise TypeError(f"sequential_vjp takes fuse= a bool, or an int >= 1 (the longest fused "
                     f"run, in layers), got {fuse!r}.")
-  runs = fusion_lib.plan(layers, longest)
+  if prefetch is None:
+    prefetch = longest == 1 and prefetch_lib.default(params_list)
+  elif prefetch and longest != 1:
+    raise ValueError("sequential_vjp prefetches unfused layers only: pass fuse=False (or 1) "
+                     "with prefetch=True, or prefetch=False with fuse.")
   steps = []
-  for lo, hi in runs:
+  if prefetch:
+    for lo, hi, prefetched in prefetch_lib.runs(layers, params_list, 0, len(layers)):
+      chained = None
+      if prefetched:
+        chained = prefetch_lib.chain_vjp(layers[lo:hi], params_list[lo:hi], x, consts,
+                                         None if keys is None else keys[lo:hi])
+      if chained is not None:
+        x, pullback = chained
+        steps.append((lo, hi, pullback))
+        continue
+      x = _one_by_one(layers, params_list, x, consts, keys, lo, hi, steps)
+    return x, SequentialPullback(steps)
+  for lo, hi in fusion_lib.plan(layers, longest):
     fused = None
     if hi - lo > 1:
       segment = fusion_lib.segment(layers[lo:hi])
@@ -122,10 +151,19 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       x, pullback = fused
       steps.append((lo, hi, pullback))
       continue
-    for i in range(lo, hi):  # one by one: unfused, or a fused run that cannot replay fused
-      if keys is None:
-        x, pullback = layers[i].vjp(params_list[i], x, *consts)
-      else:
-        x, pullback = layers[i].vjp(params_list[i], x, *consts, key=keys[i])
-      steps.append((i, i + 1, pullback))
+    # one by one: unfused, or a fused run that cannot replay fused
+    x = _one_by_one(layers, params_list, x, consts, keys, lo, hi, steps)
   return x, SequentialPullback(steps)
+
+
+def _one_by_one(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any,
+                consts: tuple[Any, ...], keys: Sequence[jax.Array] | None, lo: int, hi: int,
+                steps: list[tuple[int, int, Any]]) -> Any:
+  """Layers `[lo, hi)` replayed each on its own; their pullbacks appended to `steps`."""
+  for i in range(lo, hi):
+    if keys is None:
+      x, pullback = layers[i].vjp(params_list[i], x, *consts)
+    else:
+      x, pullback = layers[i].vjp(params_list[i], x, *consts, key=keys[i])
+    steps.append((i, i + 1, pullback))
+  return x

@@ -130,18 +130,32 @@ class FlatLayout:
     return self.gather is not None and parts > 1 and parts == self.gather.parts
 
 
+def _reshape(value: Any, shape: tuple[int, ...]) -> Any:
+  """`value.reshape(shape)`. A value typed reduced or unreduced over Explicit mesh axes (a
+  prefetched weight, its gradient: `jaxgraph.prefetch`) is given its result's type: jax
+  0.10.2 cannot infer it through a reshape that drops dimensions."""
+  spec = jax.typeof(value).sharding.spec
+  if not (spec.reduced or spec.unreduced):
+    return value.reshape(shape)
+  typed = NamedSharding(jax.typeof(value).sharding.mesh,
+                        PartitionSpec(reduced=spec.reduced, unreduced=spec.unreduced))
+  return jax.lax.reshape(value, shape, out_sharding=typed)
+
+
 def _slice(buffer: Any, slot: Slot, spec: BufferSpec,
            sharding: NamedSharding | None = None) -> Any:
   """The leaf at `slot` of the whole `buffer` of `spec`. With `sharding` its (parts, piece)
   pieces are constrained to it first: the transpose of `_assemble` with that sharding."""
   if spec.parts == 1:
-    return jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size).reshape(slot.shape)
+    return _reshape(jax.lax.slice_in_dim(buffer, slot.offset, slot.offset + slot.size),
+                    slot.shape)
   piece = spec.piece(slot)
-  chunks = buffer.reshape(spec.parts, spec.length // spec.parts)
+  chunks = _reshape(buffer, (spec.parts, spec.length // spec.parts))
   pieces = jax.lax.slice_in_dim(chunks, slot.offset, slot.offset + piece, axis=1)
   if sharding is not None:
     pieces = jax.lax.with_sharding_constraint(pieces, sharding)
-  return pieces.reshape(-1)[:slot.size].reshape(slot.shape)
+  whole = jax.lax.slice_in_dim(_reshape(pieces, (spec.parts * piece,)), 0, slot.size)
+  return _reshape(whole, slot.shape)
 
 
 def _assemble(leaves: Sequence[Any], slots: Sequence[Slot], spec: BufferSpec,
@@ -150,16 +164,18 @@ def _assemble(leaves: Sequence[Any], slots: Sequence[Slot], spec: BufferSpec,
   order), in the buffer's dtype, zeros for padding. With `sharding` (the gradient of a
   gathered buffer) each leaf's pieces are constrained to it, piece k on the device of chunk
   k: XLA reduce-scatters each leaf's gradient summed over the devices."""
-  flat = [jnp.asarray(leaf).astype(spec.dtype).reshape(-1) for leaf in leaves]
+  flat = [_reshape(jnp.asarray(leaf).astype(spec.dtype), (slot.size,))
+          for leaf, slot in zip(leaves, slots)]
   if spec.parts == 1:
     tail = [jnp.zeros((spec.length - spec.size,), spec.dtype)] if spec.length > spec.size else []
     return jnp.concatenate(flat + tail)
   pieces = []
   for leaf, slot in zip(flat, slots):
     piece = spec.piece(slot)
-    leaf = jnp.pad(leaf, (0, piece * spec.parts - slot.size)).reshape(spec.parts, piece)
+    leaf = _reshape(jax.lax.pad(leaf, jnp.zeros((), spec.dtype),
+                                [(0, piece * spec.parts - slot.size, 0)]), (spec.parts, piece))
     pieces.append(leaf if sharding is None else jax.lax.with_sharding_constraint(leaf, sharding))
-  return jnp.concatenate(pieces, axis=1).reshape(-1)
+  return _reshape(jax.lax.concatenate(pieces, 1), (spec.length,))
 
 
 def _gather_dtype(dtype: np.dtype, gather: Gather) -> np.dtype:

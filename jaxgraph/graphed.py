@@ -84,8 +84,11 @@ class Config:
   # (function, signature, offload inside the executables) -> executables, shared by
   # identical callables
   cache: dict[Any, capture_lib.Executables] = dataclasses.field(default_factory=dict)
-  # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True))
+  # adjacent layers -> their FusedSegment (sequential_vjp(..., fuse=True)); a layer and
+  # whether it is first -> its PrefetchStep (sequential_vjp(..., prefetch=True))
   segments: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
+  # (a prefetching chain's steps, its first input signature) -> whether it prefetches
+  prefetch: dict[tuple[Any, ...], bool] = dataclasses.field(default_factory=dict)
   # id -> closed-over weight a capture warned of (ConstantWeightWarning once per array)
   warned_weights: dict[int, Any] = dataclasses.field(default_factory=dict)
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -194,6 +197,7 @@ class GraphedCallable:
         config.cache.pop(key, None)
       dropped = [key for key in config.segments if self in key]
       segments = [config.segments.pop(key) for key in dropped]
+      config.prefetch.clear()
     for segment in segments:
       segment.reset()
     self._entries.clear()
@@ -386,7 +390,7 @@ class GraphedCallable:
                 remat_policy=self._remat_policy, name=self.name,
                 loose_names=config.offload.names is not None,
                 warn_constant_keys=self._warns_of_constant_keys,
-                warned_weights=config.warned_weights)
+                warned_weights=config.warned_weights, twin=self._twin(signature))
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")
@@ -449,6 +453,11 @@ class GraphedCallable:
   def _remat_policy(self) -> Callable[..., bool] | None:
     """The residual policy applied around `fn` (a fused chain applies it per function)."""
     return self._config.remat_policy
+
+  def _twin(self, signature: sig_lib.Signature) -> Any:
+    """The `explicit.Twin` to trace `signature` on, or None: as it is (a prefetching step
+    traces on the twin of its FSDP mesh)."""
+    return None
 
   @property
   def _warns_of_constant_keys(self) -> bool:

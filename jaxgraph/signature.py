@@ -47,10 +47,14 @@ def _canonicalize(sharding: Sharding) -> Sharding:
   Likewise a dimension split along mesh axes of size 1 is not split at all (XLA reports
   `P()` for the output of a layer whose input was `P("fsdp")` on a one-device mesh)."""
   if isinstance(sharding, NamedSharding):
-    spec = tuple(_drop_unit_axes(entry, sharding.mesh.shape) for entry in sharding.spec)
+    spec = tuple(_drop_unit_axes(entry, sharding.mesh.shape)
+                 for entry in sharding.spec.partitions)
     while spec and spec[-1] is None:
       spec = spec[:-1]
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
+    # Explicit-mode reduced / unreduced axes are types, not placements: kept as they are.
+    spec = PartitionSpec(*spec, reduced=sharding.spec.reduced,
+                         unreduced=sharding.spec.unreduced)
+    return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
   return sharding
 
 
@@ -102,8 +106,10 @@ def respelled(leaves: Sequence[Any], indices: Sequence[int]) -> tuple[tuple[int,
   its canonical spelling, not their own (a gradient is placed back like its argument)."""
   if not _respelled:
     return ()
+  # A reduced leaf's gradient is of another type (unreduced): never placed like the leaf.
   return tuple((i, sharding) for i in indices
-               if (sharding := getattr(leaves[i], "sharding", None)) in _respelled)
+               if (sharding := getattr(leaves[i], "sharding", None)) in _respelled
+               and not sharding.spec.reduced)
 
 
 def leaf_spec(leaf: Any) -> LeafSpec:

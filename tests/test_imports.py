@@ -1,8 +1,8 @@
 """The package's import graph, read from the source: one way, as DESIGN.md's module table.
 
 Every `import` counts, also one inside a function (no import moved into a function to dodge a
-cycle). Order: capture -> pullback -> graphed -> fusion -> chain (each imports only modules
-before it);
+cycle). Order: explicit -> capture -> pullback -> graphed -> fusion -> prefetch -> chain (each
+imports only modules before it);
 api builds on graphed and nothing but `__init__` imports it; hooks, rng, signature,
 residuals and flat import no other jaxgraph module.
 """
@@ -13,7 +13,7 @@ import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxgraph"
-LAYERS = ("capture", "pullback", "graphed", "fusion", "chain")
+LAYERS = ("explicit", "capture", "pullback", "graphed", "fusion", "prefetch", "chain")
 LEAVES = ("hooks", "rng", "signature", "residuals", "flat")
 
 
@@ -68,7 +68,8 @@ def test_the_graph_is_read():
   graph = _graph()
   assert set(LAYERS) | set(LEAVES) | {"api", "__init__"} <= set(graph)
   assert {"capture", "flat", "signature"} <= graph["graphed"]
-  assert {"graphed", "fusion"} <= graph["chain"]
+  assert {"graphed", "fusion", "prefetch"} <= graph["chain"]
+  assert {"explicit", "graphed"} <= graph["prefetch"]
 
 
 def test_no_import_cycle():
@@ -81,7 +82,7 @@ def test_imports_follow_the_module_order():
   for position, name in enumerate(LAYERS):
     later = graph[name] & set(LAYERS[position + 1:])
     assert not later, f"{name}.py imports {sorted(later)}, which come after it ({LAYERS})"
-  assert "graphed" in graph["api"] and not graph["api"] & {"fusion", "chain"}
+  assert "graphed" in graph["api"] and not graph["api"] & {"fusion", "prefetch", "chain"}
   importers = sorted(name for name, deps in graph.items() if "api" in deps)
   assert importers == ["__init__"], f"only __init__ imports api.py, not {importers}"
 

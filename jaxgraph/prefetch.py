@@ -1,0 +1,366 @@
+"""FSDP prefetch across executables: a layer's forward gathers the next layer's weights.
+
+Per-layer FSDP executables start with their all-gather and end with their reduce-scatter,
+with nothing of their own to hide them under. `sequential_vjp(..., prefetch=True)` moves each
+collective into the executable next to it, where XLA's scheduler runs it under that
+executable's compute:
+
+- layer i's forward returns, besides its output, layer i+1's weights gathered (typed reduced
+  on the Explicit twin of the FSDP mesh, `jaxgraph.explicit`), and layer i+1 computes on them;
+  each layer's gathered weights are kept for its backward (one gather a layer, as the whole
+  step does);
+- layer i+1's backward returns its weight gradient unreduced (each device's partial sum, no
+  collective), and layer i's backward reduce-scatters it into layer i+1's shards beside its
+  own compute; the bottom layer gathers and reduces its own weights.
+
+The layer function is the user's, unchanged, in the global view: it gets its params as it
+would unprefetched. Only flat FSDP buffers (`jg.fsdp.shard` of `jg.flat.ravel` trees) are
+prefetched: the gather of a buffer is one collective, and its gradient one reduce-scatter.
+Leaves of fewer than two dimensions (biases, norm scales) reach the layer replicated: their
+gradients are all-reduced in its backward, small next to the weights'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxgraph import explicit as explicit_lib
+from jaxgraph import flat as flat_lib
+from jaxgraph import graphed as graphed_lib
+from jaxgraph import hooks as hooks_lib
+from jaxgraph import pullback as pullback_lib
+from jaxgraph import signature as sig_lib
+
+# The platforms where `sequential_vjp` prefetches unless told otherwise: those whose
+# collectives run asynchronously beside compute (XLA:CPU's do not: there prefetch only adds
+# executables).
+PREFETCH_PLATFORMS = frozenset({"gpu"})
+
+logger = logging.getLogger("jaxgraph")
+
+
+class Sharded:
+  """A FlatTree's sharded buffers as a step argument, which the step gathers itself (a
+  FlatTree argument would be unraveled, gathered leaf by leaf, before the step sees it).
+  Leaves: the buffers; auxiliary data: the FlatTree's layout."""
+
+  __slots__ = ("buffers", "layout")
+
+  def __init__(self, buffers: Sequence[Any], layout: flat_lib.FlatLayout):
+    self.buffers = tuple(buffers)
+    self.layout = layout
+
+
+jax.tree_util.register_pytree_node(
+    Sharded, lambda tree: (tree.buffers, tree.layout),
+    lambda layout, buffers: Sharded(buffers, layout))
+
+
+@functools.lru_cache(maxsize=None)
+def gathered_layout(layout: flat_lib.FlatLayout) -> flat_lib.FlatLayout:
+  """The layout of `layout`'s buffers once gathered: its gathered buffers whole, in the
+  gather's dtype, and nothing left to gather."""
+  buffers = tuple(spec._replace(dtype=flat_lib._gather_dtype(spec.dtype, layout.gather))
+                  if layout.gathered(k) else spec for k, spec in enumerate(layout.buffers))
+  gathered = dataclasses.replace(layout, buffers=buffers, gather=None)
+  _sources[gathered] = layout
+  return gathered
+
+
+# gathered layout -> a layout it was gathered from (the same leaves and groups: a grad_mask
+# of FlatTrees is written for the layer's own layout)
+_sources: dict[flat_lib.FlatLayout, flat_lib.FlatLayout] = {}
+
+
+def gather(tree: Sharded) -> flat_lib.FlatTree:
+  """Inside a step: each split buffer of `tree` all-gathered, typed reduced, so that its
+  cotangent comes back unreduced and this gather's transpose reduce-scatters it; the other
+  buffers as they are. A FlatTree of `gathered_layout`."""
+  layout = tree.layout
+  gather_ = layout.gather
+  sharding = explicit_lib.reduced(explicit_lib.twin(gather_.mesh).explicit, gather_.axis)
+  buffers = []
+  for k, (buffer, spec) in enumerate(zip(tree.buffers, layout.buffers)):
+    if layout.gathered(k):
+      dtype = flat_lib._gather_dtype(spec.dtype, gather_)
+      if dtype != buffer.dtype:
+        # Cast the shard, then gather: XLA would move the cast after the collective (twice
+        # the bytes) where the gathered buffer is an output.
+        buffer = jax.lax.optimization_barrier(buffer.astype(dtype))
+      buffer = jax.sharding.reshard(buffer, sharding)
+    buffers.append(buffer)
+  return flat_lib.FlatTree(buffers, gathered_layout(layout))
+
+
+def _replicated_small(leaf: Any) -> Any:
+  """A reduced leaf of fewer than two dimensions (a bias, a norm scale) made replicated: a
+  layer adds or multiplies it into batch-sharded activations, which JAX refuses for a
+  reduced operand; its gradient is then all-reduced in the backward (a few bytes)."""
+  if not isinstance(leaf, jax.Array) or leaf.ndim >= 2:
+    return leaf
+  aval_sharding = jax.typeof(leaf).sharding
+  if not aval_sharding.spec.reduced:
+    return leaf
+  return jax.sharding.reshard(leaf, NamedSharding(aval_sharding.mesh, PartitionSpec()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """`step(params, upcoming, x, *consts, key=None)`: one layer of a prefetching chain.
+
+  Computes `fn(params, x, *consts[, key=key])` on `params` gathered (a `Gathered` from the
+  step below; the first step's own `Sharded` buffers, gathered here), and, where `upcoming`
+  (the next layer's `Sharded` buffers) is not None, returns `(y, gather(upcoming))`. Equal
+  (and hashed) by its fields, so identical layers share one capture per position: the first
+  of a chain, its middle, its last.
+  """
+
+  fn: Callable[..., Any]
+  own: bool  # gathers its own params: the first layer of a chain
+
+  @property
+  def __name__(self) -> str:
+    return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+  def __call__(self, params: Any, upcoming: Sharded | None, x: Any, *consts: Any,
+               key: Any = None) -> Any:
+    # `params`: the first step's Sharded buffers, else the layer's gathered params (the
+    # Gathered FlatTree from the step below, unraveled by the capture)
+    own = gather(params).unravel() if self.own else params
+    args = (jax.tree.map(_replicated_small, own), x, *consts)
+    y = self.fn(*args) if key is None else self.fn(*args, key=key)
+    return y if upcoming is None else (y, gather(upcoming))
+
+
+class PrefetchStep(graphed_lib.GraphedCallable):
+  """A layer replayed as one `Step` of a prefetching chain: its function, key stream and
+  counters, its executables traced on the Explicit twin of its FSDP mesh. Captures and
+  compiles are counted on the layer's `stats`."""
+
+  def __init__(self, layer: graphed_lib.GraphedCallable, *, own: bool,
+               twin: explicit_lib.Twin):
+    self._layer = layer
+    self._twin_mesh = twin
+    super().__init__(Step(layer.fn, own), layer.index, layer._config,
+                     hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
+                     offload=False)
+    self._set_name(f"prefetch({layer.name})")
+
+  def _twin(self, signature: sig_lib.Signature) -> explicit_lib.Twin:
+    return self._twin_mesh
+
+  def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
+    """The params and upcoming buffers and `x` as the layer's `grad_mask` says of
+    `(params, x, *consts)` (on the FlatTree each stands for); the consts none (the chain
+    drops their gradients)."""
+    params, upcoming, x, *consts = jax.tree.unflatten(
+        signature.treedef, [sig_lib.abstract(s) for s in signature.leaves])
+    mask = self._config.grad_mask
+
+    def flags(tree: Any, n: int) -> list[bool]:
+      layout = _sources.get(tree.layout, tree.layout)
+      as_flat = flat_lib._unflatten(layout, tree.buffers)  # the structure the mask is of
+      found = pullback_lib.mask_flags(mask, (as_flat, x, *consts))
+      return [True] * n if found is None else list(found[:n])
+
+    n_params, n_x = len(params.buffers), len(jax.tree.leaves(x))
+    own = flags(params, n_params + n_x)
+    upcoming_flags = [] if upcoming is None else flags(upcoming, len(upcoming.buffers))
+    return pullback_lib.differentiated_leaves(
+        signature, own[:n_params] + upcoming_flags + own[n_params:]
+        + [False] * len(jax.tree.leaves(consts)))
+
+  def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
+    return self._layer._stream_inputs(stream)
+
+  def _advance(self, counters: list[jax.Array]) -> None:
+    self._layer._advance(counters)
+
+  def _count_replay(self, *, backward: bool) -> None:
+    super()._count_replay(backward=backward)
+    self._layer._count_replay(backward=backward)
+
+
+def eligible(layer: graphed_lib.GraphedCallable, params: Any) -> bool:
+  """Whether a layer can join a prefetching chain: its params one FlatTree whose split
+  buffers are gathered over a mesh axis of several devices (`jg.fsdp.shard`), and nothing
+  that needs it to run alone: no replay-time hook, no delayed wgrad, no offload."""
+  hooks = layer._hooks["replay"]
+  layout = getattr(params, "layout", None)
+  return (flat_lib.is_flat(params) and layout.gather is not None
+          and any(layout.gathered(k) for k in range(len(layout.buffers)))
+          and not any(getattr(hooks, kind) for kind in hooks_lib.HOOK_KINDS)
+          and not layer._config.delay_wgrad and not layer._offload.enabled
+          and not layer._config.inference_only)
+
+
+def default(params: Any) -> bool:
+  """Whether `sequential_vjp` prefetches where not told: on `PREFETCH_PLATFORMS`."""
+  for tree in params:
+    if flat_lib.is_flat(tree) and tree.layout.gather is not None:
+      return tree.layout.gather.mesh.devices.flat[0].platform in PREFETCH_PLATFORMS
+  return False
+
+
+def runs(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any],
+         lo: int, hi: int) -> list[tuple[int, int, bool]]:
+  """`[lo, hi)` cut into `(start, end, prefetched)` runs: maximal runs of eligible layers of
+  one `make_graphed` call whose params share a mesh, and single layers between them."""
+  found: list[tuple[int, int, bool]] = []
+  for i in range(lo, hi):
+    ok = eligible(layers[i], params[i])
+    if (ok and found and found[-1][2] and found[-1][1] == i
+        and layers[i]._config is layers[found[-1][0]]._config
+        and params[i].layout.gather.mesh == params[found[-1][0]].layout.gather.mesh):
+      found[-1] = (found[-1][0], i + 1, True)
+    else:
+      found.append((i, i + 1, ok))
+  return [(a, b, p and b - a > 1) for a, b, p in found]
+
+
+def _steps(layers: Sequence[graphed_lib.GraphedCallable], twin: explicit_lib.Twin
+           ) -> list[PrefetchStep]:
+  """The PrefetchSteps of a chain's layers (made once per layer and position, kept with
+  their `make_graphed` call; the layer's `stats` count their captures)."""
+  config = layers[0]._config
+  steps = []
+  with config.lock:
+    for i, layer in enumerate(layers):
+      key = (layer, "prefetch", i == 0, twin)
+      found = config.segments.get(key)
+      if found is None:
+        found = config.segments[key] = PrefetchStep(layer, own=i == 0, twin=twin)
+      steps.append(found)
+  return steps
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
+  """Zeros typed unreduced (read only: shared by every chain that hands them over)."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def _zero_if_float0(grad: Any, spec: jax.ShapeDtypeStruct) -> Any:
+  """A gathered buffer's handed-over gradient; zeros where `grad_mask` froze the buffer (its
+  float0 gradient is no cotangent of the gathered buffer the step below returned)."""
+  if grad.dtype != jax.dtypes.float0:
+    return grad
+  mesh = spec.sharding.mesh
+  unreduced = NamedSharding(mesh, PartitionSpec(unreduced=set(spec.sharding.spec.reduced)))
+  return _zeros(spec.shape, spec.dtype, unreduced)
+
+
+class ChainPullback:
+  """The backward of a prefetching chain: `(grads_list, g_x) = pullback(ct)`, one-shot.
+
+  Runs the steps' backwards top down, handing each step's unreduced weight gradient to the
+  step below, whose backward reduce-scatters it into the layer's shards.
+  """
+
+  def __init__(self, pullbacks: list[graphed_lib.Pullback], structures: list[Any],
+               handed_specs: list[Any]):
+    self._pullbacks = pullbacks
+    self._structures = structures  # per layer, its params' (a FlatTree's) pytree structure
+    self._handed_specs = handed_specs  # per step, the gathered params it takes (specs)
+
+  @property
+  def consumed(self) -> bool:
+    return self._pullbacks[-1].consumed
+
+  def prefetch(self) -> None:
+    """Nothing to copy back: a prefetching chain does not offload."""
+
+  def wgrad(self) -> Any:
+    raise RuntimeError("a prefetching chain has no delayed wgrad (its layers were built "
+                       "without delay_wgrad=True).")
+
+  def __call__(self, cotangent: Any) -> tuple[list[Any], Any]:
+    n = len(self._pullbacks)
+    grads: list[Any] = [None] * n
+    handed = None  # the unreduced gradient of the gathered weights of the step above
+    for j in reversed(range(n)):
+      ct = cotangent if handed is None else (cotangent, handed)
+      own, upcoming, cotangent = self._pullbacks[j](ct)[:3]
+      if upcoming is not None:
+        grads[j + 1] = jax.tree.unflatten(self._structures[j + 1], upcoming.buffers)
+      if j:
+        handed = jax.tree.map(_zero_if_float0, own, self._handed_specs[j])
+      else:
+        grads[0] = jax.tree.unflatten(self._structures[0], own.buffers)
+    return grads, cotangent
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
+                                                     weak_type=a.weak_type), tree)
+
+
+def _capture_all(steps: Sequence[PrefetchStep], params: Sequence[Any], args: tuple[Any, ...]
+                 ) -> bool:
+  """Captures every step of a chain for its input signature before any runs (a step that
+  cannot would otherwise fail after the steps below it ran); False where a step is past
+  its `max_captures` (the chain then runs unprefetched, each layer under its own)."""
+  consts = args[3:]
+  for i, step in enumerate(steps):
+    leaves, treedef = jax.tree.flatten(args)
+    entry = step._entry(sig_lib.signature_of(leaves, treedef), sampled=True)
+    if entry is None:
+      return False
+    kind = "stream" if entry.layout.n_keys else "explicit"
+    out_info = entry.forward[kind, True].out_info[:entry.layout.n_out]
+    out = jax.tree.unflatten(entry.layout.out_treedef, out_info)
+    if i + 1 == len(steps):
+      break
+    upcoming = (None if i + 2 == len(steps) else
+                _abstract(Sharded(params[i + 2].buffers, params[i + 2].layout)))
+    y, gathered = out
+    args = (gathered, upcoming, y, *consts)
+  return True
+
+
+def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any], x: Any,
+              consts: tuple[Any, ...], keys: Sequence[jax.Array] | None
+              ) -> tuple[Any, ChainPullback] | None:
+  """The prefetching forward of a run of eligible layers; None where it cannot run: a layer
+  that does not trace on the Explicit twin of its mesh (said once on the `jaxgraph` logger)
+  or a step past its max_captures. The run then goes unprefetched."""
+  steps = _steps(layers, explicit_lib.twin(params[0].layout.gather.mesh))
+  args = (Sharded(params[0].buffers, params[0].layout),
+          Sharded(params[1].buffers, params[1].layout), x, *consts)
+  leaves, treedef = jax.tree.flatten(args)
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    return None
+  config = layers[0]._config
+  key = (tuple(steps), sig_lib.signature_of(leaves, treedef))
+  ready = config.prefetch.get(key)
+  if ready is None:
+    try:
+      ready = _capture_all(steps, params, _abstract(args))
+    except Exception as e:  # noqa: BLE001 - any trace failure: the unprefetched run says more
+      ready = False
+      logger.warning(
+          "%s does not trace on the Explicit twin of its FSDP mesh (%s: %s), so its chain "
+          "runs without prefetch: each layer gathers and reduces its own weights.",
+          layers[0].name, type(e).__name__, str(e).split("\n", 1)[0])
+    config.prefetch[key] = ready
+  if not ready:
+    return None
+  pullbacks, handed_specs = [], []
+  gathered: Any = args[0]
+  for i, step in enumerate(steps):
+    upcoming = (Sharded(params[i + 1].buffers, params[i + 1].layout)
+                if i + 1 < len(steps) else None)
+    step_args = (gathered, upcoming, x, *consts)
+    out, pullback = (step.vjp(*step_args) if keys is None else
+                     step.vjp(*step_args, key=keys[i]))
+    handed_specs.append(_abstract(gathered) if i else None)
+    x, gathered = (out, None) if upcoming is None else out
+    pullbacks.append(pullback)
+  return x, ChainPullback(pullbacks, [jax.tree.structure(p) for p in params], handed_specs)

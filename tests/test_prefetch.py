@@ -1,0 +1,256 @@
+"""FSDP prefetch across executables (`sequential_vjp(..., prefetch=True)`) on 8 devices.
+
+The 8 devices are the default backend's when it has 8, else the CPU backend's 8 virtual ones
+(`@pytest.mark.devices(8)`). On the CPU, XLA compiles a reduce-scatter as all-reduce + slice,
+so the HLO checks below count all-reduces of a buffer's length.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxgraph as jg
+from jaxgraph import fsdp
+from jaxgraph import prefetch as prefetch_lib
+from models import devices_for
+
+LAYERS, D, H, BATCH = 4, 16, 64, 16
+
+
+def block(p, x, *, key):
+  """An MLP block with a residual, a norm scale, dropout and a batch mean (a batch-mixing
+  op: under prefetch it stays a mean over the whole global batch)."""
+  h = jnp.tanh(x @ p["w1"].astype(x.dtype) + p["b1"])
+  keep = jax.random.bernoulli(key, 0.9, h.shape)
+  h = jnp.where(keep, h / 0.9, 0.0)
+  y = x + (h @ p["w2"].astype(x.dtype)) * p["scale"]
+  return y - 0.5 * jnp.mean(y, axis=0)
+
+
+def init(seed: int = 0) -> list[dict[str, np.ndarray]]:
+  rng = np.random.default_rng(seed)
+  return [dict(w1=(rng.standard_normal((D, H)) / D ** 0.5).astype(np.float32),
+               b1=(rng.standard_normal((H,)) * 0.1).astype(np.float32),
+               w2=(rng.standard_normal((H, D)) / H ** 0.5).astype(np.float32),
+               scale=np.ones((D,), np.float32))
+          for _ in range(LAYERS)]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  devices = devices_for(8)[:8]
+  with jax.default_device(devices[0]):
+    yield fsdp.make_mesh(devices=devices)
+
+
+def _setup(mesh, gather_dtype=None, fn=block):
+  """Graphed layers over flat FSDP buffers, a batch-sharded input and per-layer keys."""
+  flat = fsdp.shard([jg.flat.ravel(p) for p in init()], mesh, gather_dtype=gather_dtype)
+  x = jax.device_put(np.random.default_rng(1).standard_normal((BATCH, D)).astype(np.float32),
+                     fsdp.batch_sharding(mesh))
+  layers = jg.make_graphed([fn] * LAYERS, sample_args=[(p, x) for p in flat], rng=True,
+                           num_warmup_iters=0)
+  return layers, flat, x
+
+
+def _train(layers, flat, x, mesh, *, prefetch, steps=2):
+  """SGD steps over the stack; returns the losses, each step's grads and the final input
+  gradient (the keys are the same in every run: fresh masks each step)."""
+  tx = optax.sgd(0.1)
+  state = tx.init(flat)
+  update = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(
+      *tx.update(g, s, p)), out_shardings=(fsdp.shardings(flat, mesh), None))
+  losses, all_grads = [], []
+  for step in range(steps):
+    keys = list(jax.random.split(jax.random.key(step), LAYERS))
+    y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=prefetch)
+    loss, ct = jax.value_and_grad(lambda y: jnp.mean(y ** 2))(y)
+    grads, g_x = pullback(ct)
+    flat, state = update(grads, state, flat)
+    losses.append(np.asarray(loss))
+    all_grads.append(grads)
+  return np.array(losses), all_grads, g_x, flat
+
+
+def _unsharded_grads(step: int = 0):
+  """`jax.grad` of the same stack, unsharded, on one device (the reference math)."""
+  params = [jax.tree.map(jnp.asarray, p) for p in init()]
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((BATCH, D)).astype(np.float32))
+  keys = list(jax.random.split(jax.random.key(step), LAYERS))
+
+  def loss(params):
+    h = x
+    for p, k in zip(params, keys):
+      h = block(p, h, key=k)
+    return jnp.mean(h ** 2)
+
+  return jax.grad(loss)(params)
+
+
+def _buffers(tree):
+  return [np.asarray(b) for b in tree.buffers]
+
+
+@pytest.mark.devices(8)
+def test_prefetch_is_the_unprefetched_math(mesh):
+  """Losses, every layer's gradients and the input's gradient over two SGD steps with
+  dropout: bitwise those of the same stack unprefetched (the weights gathered as stored),
+  and, to rounding, `jax.grad` of the unsharded model (another program: its sums add in
+  another order)."""
+  layers, flat, x = _setup(mesh)
+  plain = _train(layers, flat, x, mesh, prefetch=False)
+  prefetched = _train(layers, flat, x, mesh, prefetch=True)
+  np.testing.assert_array_equal(plain[0], prefetched[0])
+  for step_plain, step_pre in zip(plain[1], prefetched[1]):
+    for a, b in zip(step_plain, step_pre):
+      assert b.layout == a.layout
+      assert all(np.array_equal(u, v) for u, v in zip(_buffers(a), _buffers(b)))
+      assert all(u.sharding == v.sharding for u, v in zip(a.buffers, b.buffers))
+  np.testing.assert_array_equal(plain[2], prefetched[2])
+  assert prefetched[2].sharding == x.sharding
+  reference = _unsharded_grads()
+  for grads, ref in zip(prefetched[1][0], reference):
+    got = jax.tree.map(np.asarray, jg.flat.unravel(jg.flat.with_gather(grads, None)))
+    for k in ref:
+      np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=2e-6)
+  # Three captures for the chain (its first, middle and last step), none on replay.
+  steps = [s for key, s in layers[0]._config.segments.items()
+           if isinstance(s, prefetch_lib.PrefetchStep)]
+  assert [len(s._entries) for s in steps] == [1] * LAYERS
+  assert sum(s._counts.captures for s in steps) == 3
+  assert [layer.stats.replays for layer in layers] == [4] * LAYERS  # 2 steps of each path
+
+
+def _collectives(hlo: str, length: int) -> int:
+  """How many buffers of `length` elements the collectives of `hlo` move (XLA:CPU: all-gather
+  and all-reduce; XLA combines several into one of a tuple)."""
+  found = 0
+  for line in hlo.splitlines():
+    op = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter)(-start)?\(", line)
+    if op:  # the result's shape, or tuple of shapes
+      found += len(re.findall(rf"\[{length}\]", op.group(1)))
+  return found
+
+
+@pytest.mark.devices(8)
+def test_prefetch_hands_each_collective_to_the_next_executable(mesh):
+  """The middle step's forward gathers the next layer's buffer and not its own; its backward
+  reduces the next layer's gradient and not its own (returned unreduced); the last step
+  neither gathers nor reduces a buffer; the first gathers and reduces both."""
+  layers, flat, x = _setup(mesh)
+  keys = list(jax.random.split(jax.random.key(0), LAYERS))
+  y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=True)
+  pullback(jnp.ones_like(y))
+  (length,) = {spec.length for spec in flat[0].layout.buffers}
+  found = {}
+  for key, step in layers[0]._config.segments.items():
+    if isinstance(step, prefetch_lib.PrefetchStep) and step._entries:
+      (entry,) = step._entries.values()
+      forward = entry.forward["explicit", True].as_text()
+      backward = entry.backward["full"][0].as_text()
+      own = step.fn.own
+      gathers_next = len(entry.layout.out_specs) > 1
+      found[own, gathers_next] = (_collectives(forward, length),
+                                  _collectives(backward, length))
+  assert found == {(True, True): (2, 2), (False, True): (1, 1), (False, False): (0, 0)}
+
+
+@pytest.mark.devices(8)
+def test_prefetch_with_bf16_gather_reduces_in_bf16(mesh):
+  """With `gather_dtype=bfloat16` the handed-over gradient is reduced in bfloat16 (as XLA
+  reduces it on GPUs in the unprefetched step too, and FSDP2's default reduce dtype); on the
+  CPU the unprefetched step reduces it in float32, so the two differ by bf16 rounding of
+  the sum, and the losses agree to it."""
+  layers, flat, x = _setup(mesh, gather_dtype=jnp.bfloat16)
+  plain = _train(layers, flat, x, mesh, prefetch=False, steps=1)
+  prefetched = _train(layers, flat, x, mesh, prefetch=True, steps=1)
+  np.testing.assert_array_equal(plain[0], prefetched[0])  # same forward, bitwise
+  for a, b in zip(plain[1][0], prefetched[1][0]):
+    for u, v in zip(_buffers(a), _buffers(b)):
+      assert u.dtype == v.dtype == np.float32
+      np.testing.assert_allclose(v, u, rtol=2 ** -7, atol=1e-3 * np.abs(u).max())
+
+
+def elementwise_weight_block(p, x, *, key):
+  """Multiplies a 2-D weight into the batch-sharded activations elementwise: a reduced
+  operand JAX refuses there, so this layer cannot prefetch."""
+  del key
+  return x * p["w1"][:, :D].T[0] + x @ p["w2"][:D].T
+
+
+@pytest.mark.devices(8)
+def test_a_layer_that_cannot_prefetch_runs_as_before_and_says_so(mesh, caplog):
+  layers, flat, x = _setup(mesh, fn=elementwise_weight_block)
+  keys = list(jax.random.split(jax.random.key(0), LAYERS))
+  with caplog.at_level(logging.WARNING, logger="jaxgraph"):
+    y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=True)
+    grads, _ = pullback(jnp.ones_like(y))
+  (record,) = [r for r in caplog.records if "Explicit twin" in r.getMessage()]
+  assert "elementwise_weight_block[0]" in record.getMessage()
+  y2, pullback2 = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=False)
+  grads2, _ = pullback2(jnp.ones_like(y2))
+  np.testing.assert_array_equal(y, y2)
+  for a, b in zip(grads, grads2):
+    assert all(np.array_equal(u, v) for u, v in zip(_buffers(a), _buffers(b)))
+  with caplog.at_level(logging.WARNING, logger="jaxgraph"):  # said once
+    jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=True)[1](jnp.ones_like(y))
+  assert len([r for r in caplog.records if "Explicit twin" in r.getMessage()]) == 1
+
+
+@pytest.mark.devices(8)
+def test_prefetch_default_is_the_platform_gate(mesh, monkeypatch):
+  """Unset, prefetch is on where `PREFETCH_PLATFORMS` names the mesh's platform and no fuse
+  is asked; prefetch=True with fuse is refused, naming both ways out."""
+  layers, flat, x = _setup(mesh)
+  keys = list(jax.random.split(jax.random.key(0), LAYERS))
+
+  def prefetch_steps():
+    return sum(isinstance(s, prefetch_lib.PrefetchStep)
+               for s in layers[0]._config.segments.values())
+
+  platform = mesh.devices.flat[0].platform
+  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({"none"}))
+  jg.sequential_vjp(layers, flat, x, keys=keys)[1](jnp.ones((BATCH, D)))
+  assert prefetch_steps() == 0
+  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({platform}))
+  jg.sequential_vjp(layers, flat, x, keys=keys, fuse=2)[1](jnp.ones((BATCH, D)))
+  assert prefetch_steps() == 0
+  jg.sequential_vjp(layers, flat, x, keys=keys)[1](jnp.ones((BATCH, D)))
+  assert prefetch_steps() == LAYERS
+  with pytest.raises(ValueError, match="prefetch=False with fuse"):
+    jg.sequential_vjp(layers, flat, x, keys=keys, fuse=2, prefetch=True)
+
+
+@pytest.mark.devices(8)
+def test_prefetch_follows_the_grad_mask(mesh):
+  """A `grad_mask` freezing a group of each layer (LoRA's frozen base): the frozen buffer
+  gets a float0 gradient, the trainable one bitwise the unprefetched one's."""
+  params = [jg.flat.ravel(p, group=lambda path, leaf: "frozen" if "w1" in str(path) else None)
+            for p in init()]
+  flat = fsdp.shard(params, mesh)
+  x = jax.device_put(np.ones((BATCH, D), np.float32), fsdp.batch_sharding(mesh))
+  mask = [jg.flat.mask(p, lambda group: group != "frozen") for p in flat]
+  layers = jg.make_graphed([block] * LAYERS, sample_args=[(p, x) for p in flat], rng=True,
+                           grad_mask=lambda p, x: (jg.flat.mask(p, lambda g: g != "frozen"),
+                                                   True),
+                           num_warmup_iters=0)
+  del mask
+  keys = list(jax.random.split(jax.random.key(0), LAYERS))
+  results = []
+  for prefetch in (False, True):
+    y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=prefetch)
+    results.append(pullback(jnp.ones_like(y)))
+  (plain, g_plain), (pre, g_pre) = results
+  np.testing.assert_array_equal(g_plain, g_pre)
+  for a, b in zip(plain, pre):
+    for spec, u, v in zip(a.layout.buffers, a.buffers, b.buffers):
+      assert u.dtype == v.dtype
+      assert (spec.group == "frozen") == (v.dtype == jax.dtypes.float0)
+      assert np.array_equal(u, v)
