@@ -57,6 +57,7 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
+import jaxgraph as jg  # noqa: E402
 from benchmarks import profiling  # noqa: E402
 from llama import train  # noqa: E402
 from llama.data import step_batches  # noqa: E402
@@ -147,6 +148,10 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
            for name, compiled in named_executables(trainer.layers)}
   found["whole step"] = collectives(whole.compiled)
   result["collectives"] = found
+  # whether the blocks replayed prefetching steps (`--prefetch`, or its default on GPUs)
+  result["prefetch"] = any(step._entries for layer in trainer.layers
+                           if isinstance(layer, jg.GraphedCallable)
+                           for step in jg.prefetch.steps_of(layer))
   runs = {"graphed": [trainer, (params, opt_state)], "whole_step": [whole, whole_state]}
   on_gpu = jax.devices()[0].platform == "gpu"
   if on_gpu:
@@ -311,7 +316,8 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
         f"row preset={row['preset']} n={row['n']} graphed={graphed['median']:.0f} "
         f"whole={whole['median']:.0f} ratio={graphed['median'] / whole['median']:.3f} "
         f"spread={_spread(row):.1f}% processes={row['processes']} "
-        f"flags={_flags(row)} concurrent={row['concurrent']} "
+        f"flags={_flags(row)} prefetch={'on' if row.get('prefetch') else 'off'} "
+        f"concurrent={row['concurrent']} "
         f"rounds={len(graphed['rounds'])}"
         f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}")
   return lines

@@ -16,7 +16,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jaxgraph  # noqa: E402
 
 PAGE = pathlib.Path(__file__).with_name("api.md")
-SUBMODULES = ("flat", "fsdp", "offload", "schedule", "flax", "residuals", "rng")
+SUBMODULES = ("flat", "fsdp", "offload", "prefetch", "schedule", "flax", "residuals", "rng")
 
 
 def _signature(obj: object) -> str:

@@ -10,6 +10,7 @@ import types
 from jaxgraph import flat
 from jaxgraph import fsdp
 from jaxgraph import offload
+from jaxgraph import prefetch
 from jaxgraph import residuals
 from jaxgraph import schedule
 from jaxgraph.api import make_graphed
@@ -40,6 +41,7 @@ __all__ = [
     "make_graphed",
     "offload",
     "partition",
+    "prefetch",
     "residuals",
     "schedule",
     "sequential_vjp",

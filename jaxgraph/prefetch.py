@@ -38,6 +38,8 @@ from jaxgraph import hooks as hooks_lib
 from jaxgraph import pullback as pullback_lib
 from jaxgraph import signature as sig_lib
 
+__all__ = ["PrefetchStep", "Step", "eligible", "steps_of"]
+
 # The platforms where `sequential_vjp` prefetches unless told otherwise: those whose
 # collectives run asynchronously beside compute (XLA:CPU's do not: there prefetch only adds
 # executables).
@@ -115,11 +117,12 @@ def _replicated_small(leaf: Any) -> Any:
 class Step:
   """`step(params, upcoming, x, *consts, key=None)`: one layer of a prefetching chain.
 
-  Computes `fn(params, x, *consts[, key=key])` on `params` gathered (a `Gathered` from the
-  step below; the first step's own `Sharded` buffers, gathered here), and, where `upcoming`
-  (the next layer's `Sharded` buffers) is not None, returns `(y, gather(upcoming))`. Equal
-  (and hashed) by its fields, so identical layers share one capture per position: the first
-  of a chain, its middle, its last.
+  Computes `fn(params, x, *consts[, key=key])` on the layer's params gathered: the FlatTree
+  of `gathered_layout` the step below returned (unraveled by the capture), or, for the first
+  step (`own`), its own `Sharded` buffers, gathered here. Where `upcoming` (the next layer's
+  `Sharded` buffers) is not None it returns `(y, gather(upcoming))`. Equal (and hashed) by
+  its fields, so identical layers share one capture per position: the first of a chain, its
+  middle, its last.
   """
 
   fn: Callable[..., Any]
@@ -131,8 +134,7 @@ class Step:
 
   def __call__(self, params: Any, upcoming: Sharded | None, x: Any, *consts: Any,
                key: Any = None) -> Any:
-    # `params`: the first step's Sharded buffers, else the layer's gathered params (the
-    # Gathered FlatTree from the step below, unraveled by the capture)
+    """The layer's output, and the next layer's weights gathered where there is one."""
     own = gather(params).unravel() if self.own else params
     args = (jax.tree.map(_replicated_small, own), x, *consts)
     y = self.fn(*args) if key is None else self.fn(*args, key=key)
@@ -186,6 +188,14 @@ class PrefetchStep(graphed_lib.GraphedCallable):
   def _count_replay(self, *, backward: bool) -> None:
     super()._count_replay(backward=backward)
     self._layer._count_replay(backward=backward)
+
+
+def steps_of(layer: graphed_lib.GraphedCallable) -> list[PrefetchStep]:
+  """The prefetching steps `layer` has replayed as (its first-of-a-chain and later steps,
+  per mesh), each with the executables it captured: what to read for a prefetching chain's
+  HLO, where the layer's own executables do not run."""
+  return [step for key, step in layer._config.segments.items()
+          if isinstance(step, PrefetchStep) and step._layer is layer]
 
 
 def eligible(layer: graphed_lib.GraphedCallable, params: Any) -> bool:

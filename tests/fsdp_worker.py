@@ -5,8 +5,9 @@ tests/test_multiprocess.py, once per process, under `jax.distributed.initialize`
 
   python tests/fsdp_worker.py --process-id 0 --num-processes 2 --port 12345 --out r0.npz
 
-The worker writes its losses and the final (gathered) params to `--out`, and its shard of
-a typed PRNG key placed over every device (`key_data`).
+The worker writes its losses and the final (gathered) params to `--out`, its shard of a
+typed PRNG key placed over every device (`key_data`), and the same stack trained over flat
+FSDP buffers without and with prefetch across the layers' executables (`flat/`, `prefetch/`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,37 @@ def train_graphed(mesh: Mesh | None, steps: int = STEPS, layers: int = LAYERS
   return np.asarray(jax.device_get(losses)), gathered, graphed
 
 
+def train_flat(mesh: Mesh, *, prefetch: bool, steps: int = STEPS, layers: int = LAYERS
+               ) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The stack's params as flat FSDP buffers (`jg.fsdp.shard` of `jg.flat.ravel` trees),
+  trained with or without prefetch across the layers' executables (`sequential_vjp(...,
+  prefetch=)`). Returns the losses and the final buffers (gathered to host)."""
+  host_params, x, t = host_data(layers)
+  params = fsdp.shard([jg.flat.ravel(jax.tree.map(jnp.asarray, p)) for p in host_params], mesh)
+  x, t = jax.device_put((x, t), fsdp.batch_sharding(mesh))
+  graphed = jg.make_graphed([block] * layers, sample_args=[(p, x) for p in params],
+                            num_warmup_iters=0)
+  optimizer = optax.adam(1e-2)
+  opt_state = jax.jit(optimizer.init)(params)
+
+  def apply(grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  update = jax.jit(apply, out_shardings=(fsdp.shardings(params, mesh), None))
+  loss_and_ct = jax.jit(jax.value_and_grad(loss_fn))
+  losses = []
+  for _ in range(steps):
+    y, pullback = jg.sequential_vjp(graphed, params, x, prefetch=prefetch)
+    loss, ct = loss_and_ct(y, t)
+    grads, _ = pullback(ct)
+    params, opt_state = jax.block_until_ready(update(grads, opt_state, params))
+    losses.append(loss)
+  buffers = [b for p in params for b in p.buffers]
+  return (np.asarray(jax.device_get(losses)),
+          multihost_utils.process_allgather(buffers, tiled=True))
+
+
 def train_jit(mesh: Mesh, steps: int = STEPS, layers: int = LAYERS
               ) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
   """The same training as one whole-step `jax.jit` (FSDP layers, same optimizer)."""
@@ -147,6 +179,16 @@ def first_shards(params: Sequence[Params]) -> dict[str, np.ndarray]:
   return out
 
 
+def flat_results(mesh: Mesh, steps: int) -> dict[str, np.ndarray]:
+  """The flat-buffer training unprefetched (`flat/...`) and prefetched (`prefetch/...`)."""
+  out = {}
+  for name, prefetch in (("flat", False), ("prefetch", True)):
+    losses, buffers = train_flat(mesh, prefetch=prefetch, steps=steps)
+    out[f"{name}/losses"] = losses
+    out.update({f"{name}/buffer{i}": b for i, b in enumerate(buffers)})
+  return out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--process-id", type=int, required=True)
@@ -165,7 +207,8 @@ def main() -> None:
            key_data=jax.random.key_data(key.addressable_shards[0].data),
            **first_shards(fsdp.shard(jax.tree.map(jnp.asarray, host_data()[0]), mesh)),
            local_devices=jax.local_device_count(), captures=graphed[0].stats.captures,
-           **{f"{i}/{k}": v for i, p in enumerate(params) for k, v in p.items()})
+           **{f"{i}/{k}": v for i, p in enumerate(params) for k, v in p.items()},
+           **flat_results(mesh, args.steps))
   jax.distributed.shutdown()
 
 

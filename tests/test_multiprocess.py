@@ -60,6 +60,11 @@ def test_processes_train_fsdp_over_all_devices(tmp_path, processes, local_device
     # A typed key placed over every process's devices (jg.fsdp.place: its data through the
     # host) is the key in each of them.
     assert np.array_equal(r["key_data"], jax.random.key_data(jax.random.key(fsdp_worker.KEY_SEED)))
+  # The flat FSDP buffers trained with prefetch across the layers' executables: every
+  # step bitwise the same buffers trained without (the reductions add in the same order).
+  for r in results:
+    for name in (n for n in r if n.startswith("flat/")):
+      assert np.array_equal(r[name], r[name.replace("flat/", "prefetch/")]), name
   first, *others = [{name: value for name, value in r.items()
                      if not name.startswith(("shard/", "index/"))} for r in results]
   for other in others:

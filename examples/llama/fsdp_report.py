@@ -47,15 +47,19 @@ def layer_executables(layer: jg.GraphedCallable) -> tuple[Any, Any]:
 
 
 def named_executables(layers: Sequence[Layer]) -> Iterator[tuple[str, Any]]:
-  """Per graphed layer of `layers`, its training forward and backward, named
+  """Per graphed layer of `layers`, the training forward and backward it replays, named
   `"Block[1] forward"`: identical blocks replay one entry, named after the first, so a
-  shared executable comes once per layer under one name."""
+  shared executable comes once per layer under one name. A block of a prefetching chain
+  replays its step's (`"prefetch(Block[2]) forward"`: the first, middle and last block of
+  the chain each replay their own)."""
   names: dict[int, str] = {}
   for layer in graphed(layers):
-    forward, backward = layer_executables(layer)
-    name = names.setdefault(id(forward), layer.name)
-    yield f"{name} forward", forward
-    yield f"{name} backward", backward
+    steps = [step for step in jg.prefetch.steps_of(layer) if step._entries]
+    for owner in steps or [layer]:
+      forward, backward = layer_executables(owner)
+      name = names.setdefault(id(forward), owner.name)
+      yield f"{name} forward", forward
+      yield f"{name} backward", backward
 
 
 def placements(tree: Any) -> list[dict[str, Any]]:

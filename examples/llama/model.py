@@ -107,8 +107,14 @@ class Attention(nnx.Module):
     v = self.value(x).reshape(batch, length, config.kv_heads, config.head_dim)
     q, k = rotary(q, positions, config.rope_base), rotary(k, positions, config.rope_base)
     if cache is None:
-      out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                         implementation=config.attention)
+      # In Auto sharding mode, also where jaxgraph traces the block on an Explicit mesh (FSDP
+      # prefetch): cuDNN's kernel partitions itself there, and would be typed replicated
+      # under Explicit axes. On an Auto mesh, or none, auto_axes changes nothing.
+      attend = jax.sharding.auto_axes(
+          lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                       implementation=config.attention),
+          out_sharding=jax.typeof(q).sharding)
+      out = attend(q, k, v)
     else:
       start = (0, positions[0], 0, 0)
       cache = {"k": jax.lax.dynamic_update_slice(cache["k"], k, start),

@@ -222,7 +222,8 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
           f"{trainer.compile_seconds:.1f} s)")
   else:
     trainer = Trainer(captured.train, config, tx, preset.microbatches, params, opt_state,
-                      placement, fuse=args.fuse or False, masks=tuning.masks)
+                      placement, fuse=args.fuse or False, prefetch=args.prefetch,
+                      masks=tuning.masks)
   return tx, opt_state, trainer
 
 

@@ -90,11 +90,13 @@ class Trainer:
   def __init__(self, layers: Sequence[Layer], config: Config, tx: optax.GradientTransformation,
                microbatches: int, params: Params, opt_state: Any,
                placement: Placement | None = None, fuse: bool | int = False,
+               prefetch: bool | None = None,
                masks: list[Any] | None = None):
     placement = self.placement = placement or Placement()
     self.layers, self.config, self.tx, self.microbatches = layers, config, tx, microbatches
     self.fuse = fuse  # the blocks' hook-free runs (of at most `fuse` blocks) as one
     # executable pair each (docs/fusion.md)
+    self.prefetch = prefetch  # FSDP prefetch across the blocks (None: jaxgraph's default)
     self.masks = masks
     self.one = placement.replicate(jnp.ones((), jnp.float32))  # the loss cotangent
     trained = self.split(params)[0]
@@ -128,7 +130,7 @@ class Trainer:
     embed, blocks, head = self.layers[0], self.layers[1:-1], self.layers[-1]
     x, embed_pullback = embed.vjp(params[0], tokens)
     x, blocks_pullback = jg.sequential_vjp(blocks, params[1:-1], x, consts=(positions,),
-                                           fuse=self.fuse)
+                                           fuse=self.fuse, prefetch=self.prefetch)
     loss, head_pullback = head.vjp(params[-1], x, targets, *tied_inputs(params, self.config))
     head_grads, x_grads, _, *tied_grads = head_pullback(self.one)
     block_grads, x_grads = blocks_pullback(x_grads)
