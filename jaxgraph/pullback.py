@@ -126,7 +126,10 @@ def partition(tree: Any, mask: Any) -> tuple[Any, Any]:
     updates, opt_state = tx.update(grads, opt_state, trainable)
     params = jg.combine(optax.apply_updates(trainable, updates), frozen)
 
-  Works eagerly and under `jax.jit` (it moves no data).
+  Works eagerly and under `jax.jit` (it moves no data). Handed to an optimizer unsplit,
+  float0 gradients fail inside Optax ("ufunc 'power' not supported", "Called add with a
+  float0 array"); so the first replayed pullback that returns them in a process that never
+  called `partition` says so once on the `jaxgraph` logger, naming this recipe.
 
   Args:
     tree: a pytree: the params of a layer, a list of them, their gradients (a `FlatTree`

@@ -215,6 +215,22 @@ def test_markdown_links_resolve():
       assert (md.parent / target).exists(), f"{md.name} links to missing {target}"
 
 
+def test_readme_set_up_comes_first_and_names_files_that_exist():
+  """The README's first command block sets up and runs: the main example, the whole suite,
+  and a quick check (one test file), before any measurement; what they name exists."""
+  text = (ROOT / "README.md").read_text()
+  first = re.search(r"```bash\n(.*?)```", text, re.S)
+  commands = [line.partition("  #")[0].split("&&")[-1].strip()
+              for line in first.group(1).splitlines()]
+  assert "python -m pytest" in commands  # the whole suite, as CI runs it
+  quick = [c for c in commands if c.startswith("python -m pytest tests/")]
+  example = [c for c in commands if c.startswith("python examples/")]
+  assert quick and example, commands
+  for command in quick + example:
+    assert (ROOT / command.split()[-1]).is_file(), command
+  assert first.start() < text.index("## The examples, measured") < text.index("1.194×")
+
+
 def test_readme_usage_example_is_short():
   """The README's usage block (conftest.py runs it, with the docs) fits on one screen."""
   document = Document.parse(str(ROOT / "README.md"), CodeBlockParser("python"))
