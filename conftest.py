@@ -1,27 +1,29 @@
 """The docs run: every python block of README.md and docs/*.md (api.md aside) is a test (Sybil).
 
 A page runs as its reader would run it: its blocks, in page order, in one fresh Python
-interpreter started for the page in the repository's root (tests/docs_page.py), so a block
-may use what the blocks above it on its page defined, and nothing else: not the suite's
-imports, fixtures or `sys.path`. pyproject.toml's testpaths put README.md and docs/ next to
-tests/, so `python -m pytest` runs them with the suite; the page's interpreter inherits the
-environment tests/conftest.py sets up (on CPU 8 virtual devices, which the FSDP pages state
-they use) and shares the run's compilation cache. `python -m pytest -k quickstart.md` runs one
-page so; a page named alone (`python -m pytest docs/quickstart.md`) runs without
-tests/conftest.py, on JAX's defaults. Markdown comments steer a block:
+interpreter started for the page in the repository's root (tests/docs_page.py). Each visible
+block runs as if copied alone, in a fresh namespace, unless its first line is a comment saying
+it `continues the block above` (then it runs in the namespace that block left), and must
+print something; no block sees the suite's imports, fixtures or `sys.path`. pyproject.toml's
+testpaths put README.md and docs/ next to tests/, so `python -m pytest` runs them with the
+suite; the page's interpreter inherits the environment tests/conftest.py sets up (on CPU 8
+virtual devices, which the FSDP pages state they use) and shares the run's compilation cache.
+`python -m pytest -k quickstart.md` runs one page so; a page named alone (`python -m pytest
+docs/quickstart.md`) runs without tests/conftest.py, on JAX's defaults. Markdown comments
+steer a block:
 
 * `<!-- skip: next "reason" -->` skips the next block (or `skip: next if(cond, reason="...")`,
-  evaluated in the page's interpreter, so `cond` reads the names the page's blocks defined);
+  evaluated in the page's interpreter, so `cond` reads the names the block above defined);
 * `<!-- invisible-code-block: python ... -->` runs code the rendered page does not show, in a
-  copy of the page's namespace: it checks what the blocks above it did (`printed` holds what
-  the block before it printed), but what it defines or imports reaches no later block, so the
-  setup a page needs is on the page.
+  copy of the namespace the visible block above it left: it checks what that block did
+  (`printed` holds what it printed), but what it defines or imports reaches no later block,
+  so the setup a page needs is on the page.
 
-A page's blocks share one interpreter, so one xdist worker runs all of them (`xdist_group`
-per page; pyproject.toml's `--dist loadgroup`), in page order also when the suite is shuffled
-(`--random-order`: the `random_order(disabled=True)` mark). Where xdist's grouping does not
-take (pytest-xdist 3.8 under pytest 9.2), the run stops at collection with the fix rather than
-failing the pages' blocks one by one.
+A page's blocks share one interpreter (a chain of continued blocks, one namespace), so one
+xdist worker runs all of them (`xdist_group` per page; pyproject.toml's `--dist loadgroup`), in
+page order also when the suite is shuffled (`--random-order`: the `random_order(disabled=True)`
+mark). Where xdist's grouping does not take (pytest-xdist 3.8 under pytest 9.2), the run stops
+at collection with the fix rather than failing the pages' blocks one by one.
 """
 
 from __future__ import annotations

@@ -600,13 +600,13 @@ class ConstantWeightWarning(UserWarning):
   """A function given to `make_graphed` closes over a float array that feeds a matmul or a
   convolution: a weight baked into the executables, which gets no gradient and does not
   follow later updates of the array (docs/semantics.md, "Functions of their arguments",
-  says which arrays count). Where a fixed matrix is meant:
+  says which arrays count). Any size counts: a 16x16 weight trains no better as a constant
+  than a large one, and a fixed matrix that is meant (a 3x3 colour transform, a Hadamard
+  rotation) costs one warning per `make_graphed` call, where a missed weight costs a run.
+  Where a fixed matrix is meant:
   `warnings.filterwarnings("ignore", category=jaxgraph.ConstantWeightWarning)`."""
 
 
-# A closed-over float array counts as a weight from this many elements on: smaller fixed
-# matrices (a 3x3 colour transform, a few mixing coefficients) are left alone.
-CONSTANT_WEIGHT_MIN_SIZE = 1024
 # Operations through which a closed-over array is still that array on its way into a matmul
 # (a weight is cast, transposed, reshaped or sliced first).
 _WEIGHT_PATH = frozenset({
@@ -621,11 +621,11 @@ def constant_weights(closed: Any) -> list[str]:
 
   An array counts when all of these hold: it is a constant of the jaxpr (an array the
   function closes over, not one it computes: a rotary table built from `iota` inside the
-  function is not a constant), its dtype is a float, it has at least
-  `CONSTANT_WEIGHT_MIN_SIZE` elements, and it is an operand of a `dot_general` or a
-  convolution, directly or through casts, transposes, reshapes and slices, also inside
-  nested jits, `jax.checkpoint` and custom derivatives. Masks (bool, int) and tables used
-  elementwise (rotary sin/cos, biases, a causal mask added to scores) are not weights.
+  function is not a constant), its dtype is a float (of any size), and it is an operand of
+  a `dot_general` or a convolution, directly or through casts, transposes, reshapes and
+  slices, also inside nested jits, `jax.checkpoint` and custom derivatives. Masks (bool,
+  int) and tables used elementwise (rotary sin/cos, biases, a causal mask added to scores)
+  are not weights.
   """
   return [description for description, _ in _constant_weight_arrays(closed)]
 
@@ -640,8 +640,7 @@ def _constant_weight_arrays(closed: Any) -> list[tuple[str, Any]]:
       tainted = {**tainted, **{
           var: (var, (f"{value.dtype}{list(value.shape)}", value))
           for var, value in zip(jaxpr.jaxpr.constvars, jaxpr.consts)
-          if jnp.issubdtype(value.dtype, jnp.inexact)
-          and math.prod(value.shape) >= CONSTANT_WEIGHT_MIN_SIZE}}
+          if jnp.issubdtype(value.dtype, jnp.inexact)}}
       jaxpr = jaxpr.jaxpr
     for eqn in jaxpr.eqns:
       sources = [tainted.get(v) if isinstance(v, jex.core.Var) else None for v in eqn.invars]

@@ -8,13 +8,18 @@ positional argument, like `jax.vjp`.
 
 With `grad_mask` (`mask_flags`, `masked_vjp`) the leaves left out get float0 gradients;
 `partition` and `combine` split a tree by such a mask, so that an optimizer goes over the
-trainable part only.
+trainable part only. Unless `partition` ran before, the first replayed pullback of a process
+that returns such gradients says so on the `jaxgraph` logger, naming `partition`
+(`note_frozen_grads`): an optimizer given them fails deep inside Optax, with nothing that
+names `grad_mask`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import threading
 from typing import Any, Callable, Literal, Protocol, Sequence
 
 import jax
@@ -28,6 +33,11 @@ from jaxgraph import signature as sig_lib
 
 # What a backward returns: the gradients now, and the deferred weight gradients (delay_wgrad).
 BackwardResult = tuple[tuple[Any, ...], Callable[[], tuple[Any, ...]] | None]
+
+logger = logging.getLogger("jaxgraph")
+# Set once the note on the float0 gradients of frozen leaves was logged (once per process),
+# or once `partition` ran: its caller splits such gradients already.
+FROZEN_GRADS_KNOWN = threading.Event()
 
 
 class Owner(Protocol):
@@ -116,7 +126,10 @@ def partition(tree: Any, mask: Any) -> tuple[Any, Any]:
     updates, opt_state = tx.update(grads, opt_state, trainable)
     params = jg.combine(optax.apply_updates(trainable, updates), frozen)
 
-  Works eagerly and under `jax.jit` (it moves no data).
+  Works eagerly and under `jax.jit` (it moves no data). Handed to an optimizer unsplit,
+  float0 gradients fail inside Optax ("ufunc 'power' not supported", "Called add with a
+  float0 array"); so the first replayed pullback that returns them in a process that never
+  called `partition` says so once on the `jaxgraph` logger, naming this recipe.
 
   Args:
     tree: a pytree: the params of a layer, a list of them, their gradients (a `FlatTree`
@@ -133,6 +146,7 @@ def partition(tree: Any, mask: Any) -> tuple[Any, Any]:
     TypeError: for a leaf of the mask that is not a bool.
     ValueError: for a mask whose structure is not a prefix of `tree`'s.
   """
+  FROZEN_GRADS_KNOWN.set()  # no note on float0 gradients: this caller splits them
   prefix = mask(tree) if callable(mask) else mask
   bad = [leaf for leaf in jax.tree.leaves(prefix) if not _is_flag(leaf)]
   if bad:
@@ -192,6 +206,27 @@ def check_carry(layers: Sequence[Any], params: Sequence[Any], x: Any, *rest: Any
           "grad_mask=(params_mask, True, ...).")
 
 
+def note_frozen_grads(name: str, count: int) -> None:
+  """Says on the `jaxgraph` logger, once per process and only if `partition` never ran, that
+  `name`'s pullback returned float0 gradients for `count` (> 0) float leaves `grad_mask`
+  leaves out, and how to give an optimizer the trainable part. (A float0 array cannot raise
+  a message of its own when Optax computes with it: JAX and NumPy reject it first, from
+  inside Optax, with "Called add with a float0 array" or "ufunc 'power' not supported".)"""
+  if not count or FROZEN_GRADS_KNOWN.is_set():
+    return
+  FROZEN_GRADS_KNOWN.set()
+  logger.warning(
+      "%s: its pullback returns float0 gradients (no values) for the %d float leaf(s) "
+      "grad_mask leaves out. An optimizer cannot take them: optax.adamw and optax.masked "
+      "fail inside Optax (\"ufunc 'power' not supported\", 'Called add with a float0 "
+      "array'). Give it the trainable part: "
+      "trainable, frozen = jaxgraph.partition(params, mask); grads, _ = "
+      "jaxgraph.partition(grads, mask); tx.update(grads, opt_state, trainable); params = "
+      "jaxgraph.combine(optax.apply_updates(trainable, updates), frozen) "
+      "(docs/semantics.md, 'Gradients only where asked'). Said once per process.",
+      name, count)
+
+
 def differentiated_leaves(signature: sig_lib.Signature,
                           flags: Sequence[bool] | None = None) -> tuple[int, ...]:
   """The argument leaves that get gradients: those of inexact dtypes (like `jax.vjp`) that
@@ -210,15 +245,19 @@ def masked_leaves(signature: sig_lib.Signature, grad_mask: Any) -> tuple[int, ..
   return differentiated_leaves(signature, mask_flags(grad_mask, args))
 
 
-def masked_vjp(fn: Callable[..., Any], args: tuple[Any, ...], grad_mask: Any
+def masked_vjp(fn: Callable[..., Any], args: tuple[Any, ...], grad_mask: Any, *,
+               name: str = "a graphed callable"
                ) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
   """`jax.vjp(fn, *args)` with respect to the leaves `grad_mask` lets through: the others are
-  constants of the linearization, their gradient a float0 zero (as an integer leaf's)."""
+  constants of the linearization, their gradient a float0 zero (as an integer leaf's;
+  `note_frozen_grads` tells of the float ones, naming `name`)."""
   flags = mask_flags(grad_mask, args)
   if flags is None:
     return jax.vjp(fn, *args)
   leaves, treedef = jax.tree.flatten(args)
   kept = [i for i, flag in enumerate(flags) if flag]
+  frozen = sum(1 for leaf, flag in zip(leaves, flags)
+               if not flag and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact))
 
   def primal(*values: Any) -> Any:
     full = list(leaves)
@@ -232,6 +271,7 @@ def masked_vjp(fn: Callable[..., Any], args: tuple[Any, ...], grad_mask: Any
     full = [np.zeros(np.shape(leaf), jax.dtypes.float0) for leaf in leaves]
     for i, grad in zip(kept, vjp_fn(cotangents)):
       full[i] = grad
+    note_frozen_grads(name, frozen)
     return tuple(jax.tree.unflatten(treedef, full))
 
   return out, pullback
@@ -259,6 +299,14 @@ def backward_plan(diff: tuple[int, ...], treedef: Any, *, delay_wgrad: bool,
   weight_leaves = set(argument_leaves(treedef, wgrad_argnums))
   return [("dgrad", tuple(i for i in diff if i not in weight_leaves)),
           ("wgrad", tuple(i for i in diff if i in weight_leaves))]
+
+
+def frozen_float_leaves(entry: capture_lib.Executables) -> int:
+  """How many float argument leaves of `entry` get no gradient (those `grad_mask` leaves
+  out: float0 gradients, as an integer leaf's)."""
+  differentiated = set(entry.layout.diff)
+  return sum(1 for leaf, spec in enumerate(entry.signature.leaves)
+             if leaf not in differentiated and jnp.issubdtype(spec.dtype, jnp.inexact))
 
 
 def assemble(entry: capture_lib.Executables, values: Sequence[Any], select: tuple[int, ...],
@@ -448,10 +496,14 @@ class Pullback:
       if pre:
         hooks_lib.fire(pre, "pre_backward", dataclasses.replace(event, cotangents=cotangents),
                        owner.name)
-      grads, self._wgrad = self._backward(cotangents)
+      backward = self._backward
+      grads, self._wgrad = backward(cotangents)
       self._state, self._backward = "done", None
       if event.phase == "replay":
         owner._count_replay(backward=True)
+        if (owner._config.grad_mask is not None and not FROZEN_GRADS_KNOWN.is_set()
+            and isinstance(backward, ExecutableBackward)):  # else masked_vjp's pullback said
+          note_frozen_grads(owner.name, frozen_float_leaves(backward.entry))
       if post:
         hooks_lib.fire(post, "backward",
                        dataclasses.replace(event, cotangents=cotangents, grads=grads), owner.name)

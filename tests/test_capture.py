@@ -144,24 +144,31 @@ def _conv_closure(x):
   return jax.lax.conv_general_dilated(x[:, None, :], KERNEL, (1,), "SAME")[:, 0]
 
 
+SMALL = jax.random.normal(jax.random.key(3), (16, 16))  # 256 elements: a weight all the same
+
+
+def _small_weight(x):
+  return x[:, :16] @ SMALL
+
+
 ALARMS = {"matmul": _closes_over_w, "bf16_einsum": _bf16_einsum, "nested_jit": _inside_a_jit,
-          "slice_of_a_stack": _stacked_slice, "conv": _conv_closure}
+          "slice_of_a_stack": _stacked_slice, "conv": _conv_closure,
+          "small_weight": _small_weight}
 
 ROTARY = jnp.stack([jnp.sin(jnp.arange(B * D) / 7.0), jnp.cos(jnp.arange(B * D) / 7.0)])
 FLOAT_MASK = causal_mask(B)  # 0 / -1e9
 BOOL_MASK = jnp.tril(jnp.ones((B, B), bool))
-SMALL = jax.random.normal(jax.random.key(3), (D, 4))  # 128 elements: below the threshold
 
 
 def _masks_and_tables(p, x):
   """What a real block closes over without it being a weight: a bool mask, an int table, a
-  precomputed rotary table applied elementwise, a float mask added to scores, a small fixed
-  matrix; the weight itself is an argument."""
+  precomputed rotary table applied elementwise, a float mask added to scores; the weight
+  itself is an argument."""
   rot = x * ROTARY[0].reshape(B, D) + x[:, ::-1] * ROTARY[1].reshape(B, D)
   scores = (rot @ p) @ rot.T + FLOAT_MASK
   scores = jnp.where(BOOL_MASK, scores, -jnp.inf)
   positions = jnp.arange(B * D, dtype=jnp.int32).reshape(B, D)
-  return jax.nn.softmax(scores) @ x + positions + (x @ SMALL).sum()
+  return jax.nn.softmax(scores) @ x + positions
 
 
 def _constant_weight_warnings(fn, args):
@@ -202,10 +209,12 @@ def test_a_weight_is_named_once_per_make_graphed_call():
 
 
 def test_a_fused_chain_names_a_weight_its_layers_never_traced():
-  """A function that builds its matrix from the input's width closes over a weight only at
-  large widths: a fused chain at such a width, the first capture to see it, warns."""
+  """A function that projects only inputs wider than 16 closes over a weight only at such
+  widths: a fused chain at one, the first capture to see it, warns."""
   def projects(s, x):
-    w = np.full((x.shape[-1], x.shape[-1]), 0.5, np.float32)  # 256 elements at width 16
+    if x.shape[-1] <= 16:
+      return jnp.tanh(x) * s
+    w = np.full((x.shape[-1], x.shape[-1]), 0.5, np.float32)  # built at trace time
     return jnp.tanh(x @ w) * s
 
   scales = [jnp.float32(1.0), jnp.float32(2.0)]

@@ -56,7 +56,8 @@ def _run_page(text: str, directory: pathlib.Path, root_conftest=None) -> list[Ba
 
 def test_a_page_runs_in_a_fresh_interpreter_and_hidden_blocks_only_check(tmp_path):
   """Visible blocks run in one new `python` per page, in the repository's root; a hidden
-  block sees what they made (and `printed`) but defines nothing a later block can read."""
+  block sees what the block above made (and `printed`) but defines nothing a later block can
+  read."""
   outcomes = _run_page(f"""
       ```python
       import os, sys
@@ -73,14 +74,17 @@ def test_a_page_runs_in_a_fresh_interpreter_and_hidden_blocks_only_check(tmp_pat
       -->
 
       ```python
+      # continues the block above
       print(shown)
       ```
 
       ```python
+      # continues the block above
       json
       ```
 
       ```python
+      # continues the block above: the hidden block's names reach no block
       secret
       ```
       """, tmp_path)
@@ -91,10 +95,50 @@ def test_a_page_runs_in_a_fresh_interpreter_and_hidden_blocks_only_check(tmp_pat
     assert "page.md\", line" in str(outcome)   # the traceback names the page's line
 
 
+def test_a_block_runs_as_if_copied_alone_and_prints(tmp_path):
+  """A visible block gets a fresh namespace unless its first line says it continues the block
+  above (a chain of them shares one), and fails if it prints nothing."""
+  outcomes = _run_page("""
+      ```python
+      a = 1
+      print(a)
+      ```
+
+      ```python
+      # continues the block above
+      b = a + 1
+      print(b)
+      ```
+
+      ```python
+      # continues the block above (and so the one before it)
+      print(a + b)
+      ```
+
+      <!-- invisible-code-block: python
+      assert printed == "3\\n", printed
+      -->
+
+      ```python
+      print(a)               # copied alone: no `a`
+      ```
+
+      ```python
+      import math            # runs, and says nothing
+      ```
+      """, tmp_path)
+  assert outcomes[:4] == [None] * 4, outcomes
+  alone, silent = outcomes[4:]
+  assert isinstance(alone, SybilFailure) and "NameError: name 'a' is not defined" in str(alone)
+  assert "start it with `# continues the block above`" in str(alone)
+  assert isinstance(silent, SybilFailure) and "the block printed nothing" in str(silent)
+
+
 def test_skip_conditions_read_the_page_names(tmp_path):
   outcomes = _run_page("""
       ```python
       devices = 1
+      print(devices)
       ```
 
       <!-- skip: next if(devices < 2, reason="needs 2 devices") -->
@@ -106,7 +150,7 @@ def test_skip_conditions_read_the_page_names(tmp_path):
       <!-- skip: next if(devices > 2) -->
 
       ```python
-      ran = True
+      print("ran")
       ```
 
       <!-- skip: next if(undefined_name) -->
@@ -169,6 +213,22 @@ def test_markdown_links_resolve():
       if target.startswith(("http://", "https://")):
         continue
       assert (md.parent / target).exists(), f"{md.name} links to missing {target}"
+
+
+def test_readme_set_up_comes_first_and_names_files_that_exist():
+  """The README's first command block sets up and runs: the main example, the whole suite,
+  and a quick check (one test file), before any measurement; what they name exists."""
+  text = (ROOT / "README.md").read_text()
+  first = re.search(r"```bash\n(.*?)```", text, re.S)
+  commands = [line.partition("  #")[0].split("&&")[-1].strip()
+              for line in first.group(1).splitlines()]
+  assert "python -m pytest" in commands  # the whole suite, as CI runs it
+  quick = [c for c in commands if c.startswith("python -m pytest tests/")]
+  example = [c for c in commands if c.startswith("python examples/")]
+  assert quick and example, commands
+  for command in quick + example:
+    assert (ROOT / command.split()[-1]).is_file(), command
+  assert first.start() < text.index("## The examples, measured") < text.index("1.194×")
 
 
 def test_readme_usage_example_is_short():

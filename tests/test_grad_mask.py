@@ -10,6 +10,8 @@ fallback and a user's transformation.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import jax
@@ -20,6 +22,7 @@ import pytest
 import jaxgraph as jg
 from jaxgraph import capture as capture_lib
 from jaxgraph import offload as offload_lib
+from jaxgraph import pullback as pullback_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph import schedule
 from models import assert_equal_or_close, trees_equal
@@ -377,25 +380,40 @@ def adapters_only(tree: Any) -> dict[str, Any]:
   return {name: {"a": part["a"], "b": part["b"]} for name, part in tree.items()}
 
 
-def test_optax_adamw_trains_the_trainable_part_and_never_touches_the_frozen_one():
+def test_optax_adamw_trains_the_trainable_part_and_never_touches_the_frozen_one(
+    caplog, monkeypatch):
   """`jg.partition` by the params' mask: AdamW (with weight decay and a global-norm clip)
   over the trainable part keeps moments for the adapters only, the float0 grads go with
   the frozen part, and `jg.combine` puts the params back together. Over three steps the
   base weights stay bitwise what they were (decay never reaches them) and the adapters
   are those of the same optimizer run on a tree of the adapters alone, with `jax.vjp`'s
-  gradients."""
+  gradients. Before: the whole grads handed to `optax.adamw` fail inside Optax, after the
+  first pullback said on the `jaxgraph` logger how to split them (once per process, and
+  not after `jg.partition` ran)."""
   import optax
 
+  monkeypatch.setattr(pullback_lib, "FROZEN_GRADS_KNOWN", threading.Event())  # unsaid yet
+  caplog.set_level(logging.WARNING, logger="jaxgraph")
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.5))
   p = base = init()
-  layer = jg.make_graphed(lora_block, sample_args=(p, X), grad_mask=MASK, num_warmup_iters=0)
+  layer = jg.make_graphed(lora_block, sample_args=(p, X), grad_mask=MASK, num_warmup_iters=1)
+  assert caplog.records == []  # the warmup's pullback says nothing
+  g_p, _ = layer.vjp(p, X)[1](CT)
+  (note,) = caplog.records
+  assert note.getMessage().startswith(
+      "lora_block[0]: its pullback returns float0 gradients (no values) for the 2 float "
+      "leaf(s) grad_mask leaves out.")
+  assert "grads, _ = jaxgraph.partition(grads, mask)" in note.getMessage()
+  with pytest.raises(TypeError):  # Optax's own error, after the note
+    optax.adamw(1e-2).update(g_p, optax.adamw(1e-2).init(p), p)
   trainable_part, frozen = jg.partition(p, PARAMS_MASK)
   opt_state = tx.init(trainable_part)
   assert len(jax.tree.leaves(opt_state)) == 1 + 2 * 4  # the count, mu and nu of a and b
   ref = adapters_only(p)
   ref_state = tx.init(ref)
-  for _ in range(3):
-    g_p, _ = layer.vjp(p, X)[1](CT)
+  for step in range(3):
+    if step:
+      g_p, _ = layer.vjp(p, X)[1](CT)
     g_trainable, g_frozen = jg.partition(g_p, PARAMS_MASK)
     assert all(leaf.dtype == jax.dtypes.float0 for leaf in jax.tree.leaves(g_frozen))
     updates, opt_state = tx.update(g_trainable, opt_state, trainable_part)
@@ -410,6 +428,33 @@ def test_optax_adamw_trains_the_trainable_part_and_never_touches_the_frozen_one(
     assert np.array_equal(p[name]["w"], base[name]["w"])  # bitwise: never updated
   close(adapters_only(p), ref)
   assert not trees_equal(adapters_only(p), adapters_only(base))  # they trained
+  assert caplog.records == [note]  # said once
+
+
+def test_a_traced_or_fallback_masked_pullback_names_partition_and_an_unmasked_one_does_not(
+    caplog, monkeypatch):
+  """`masked_vjp` (a pullback under a user's transformation or through the jax.jit fallback)
+  says the same once, for float leaves the mask leaves out; integer leaves (float0 under
+  `jax.vjp` too), a mask that freezes nothing, and any pullback once `jg.partition` ran say
+  nothing."""
+  monkeypatch.setattr(pullback_lib, "FROZEN_GRADS_KNOWN", threading.Event())
+  caplog.set_level(logging.WARNING, logger="jaxgraph")
+  fn = lambda p, n, x: lora_linear(p, x) * n
+  args = (init()["up"], jnp.int32(2), X)
+  for grad_mask in ((True, True, True), ({"w": False, "a": True, "b": True}, True, True)):
+    g_p, g_n, _ = pullback_lib.masked_vjp(fn, args, grad_mask, name="f")[1](
+        jnp.ones((T, 2 * D)))
+    assert g_n.dtype == jax.dtypes.float0
+  assert g_p["w"].dtype == jax.dtypes.float0
+  (note,) = caplog.records
+  assert note.getMessage().startswith("f: its pullback returns float0 gradients (no values) "
+                                      "for the 1 float leaf(s) grad_mask leaves out.")
+  pullback_lib.masked_vjp(fn, args, grad_mask, name="g")[1](jnp.ones((T, 2 * D)))
+  assert caplog.records == [note]
+  monkeypatch.setattr(pullback_lib, "FROZEN_GRADS_KNOWN", threading.Event())
+  jg.partition(args[0], grad_mask[0])
+  pullback_lib.masked_vjp(fn, args, grad_mask, name="h")[1](jnp.ones((T, 2 * D)))
+  assert caplog.records == [note]
 
 
 def test_partition_splits_flat_buffers_and_states_and_takes_a_mask_function():
