@@ -515,6 +515,25 @@ def test_llama_fsdp_two_processes_agree_with_one(fsdp_run, tmp_path, env):
     np.testing.assert_array_equal(two[path], one[path], err_msg=path)
 
 
+@FSDP_GROUP
+def test_llama_fsdp_prefetch_hands_collectives_across_blocks(fsdp_run, tmp_path, env):
+  """--prefetch (the default on GPUs): the first block's forward gathers its own buffer and
+  the next block's, the last block's gathers none, and the losses follow the unprefetched
+  run's (the gradients are reduced in the gather's bfloat16 there, in float32 on the CPU
+  unprefetched: docs/fsdp.md)."""
+  _, metrics, _ = fsdp_run
+  log = _run("llama/train.py", _cpu_env(env, 8), *FSDP[:-4], "--steps", "2", "--fsdp", "8",
+             "--prefetch", "--generate", "0", "--out", str(tmp_path))
+  assert "does not trace on the Explicit twin" not in log
+  found = json.loads((tmp_path / "metrics.json").read_text())
+  collectives = found["fsdp"]["collectives"]
+  assert collectives["prefetch(Block[1]) forward"] == {"all-gather f32": 2}
+  assert collectives["prefetch(Block[2]) forward"] == {}
+  assert not any("all-gather" in kind for kind in collectives["prefetch(Block[2]) backward"])
+  assert "Block[1] forward" not in collectives  # the blocks' own executables do not run
+  np.testing.assert_allclose(found["losses"], metrics["losses"][:2], rtol=1e-3)
+
+
 def _load(monkeypatch: pytest.MonkeyPatch, name: str, path: pathlib.Path) -> Any:
   """The example script `path` imported in this process as `name`, its folder on sys.path."""
   monkeypatch.syspath_prepend(str(path.parent))
