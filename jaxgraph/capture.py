@@ -393,8 +393,8 @@ def _forward_specs(signature: sig_lib.Signature, layout: Layout,
 def _compile_forward(timer: _Timer, closed: Any, layout: Layout, signature: sig_lib.Signature,
                      kind: ForwardKind, *, residuals: bool, moved: tuple[int, ...],
                      twin: explicit_lib.Twin | None, donate: tuple[int, ...] = ()) -> Any:
-  """Compiles a forward of `closed`. On a twin, its outputs leave on the Auto mesh (reduced
-  ones on the twin); kept residuals, keys and counters stay where XLA puts them."""
+  """Compiles a forward of `closed`. On a twin, its outputs are placed on the twin in their
+  canonical spelling; kept residuals, keys and counters stay where XLA puts them."""
   fwd = _forward_fn(closed, layout, kind, outputs_only=not residuals, moved=moved)
   placed = {}
   if twin is not None:
@@ -487,8 +487,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       (offload selects them by name: `make_graphed(..., offload_names=...)`).
     warn_constant_keys: warn of keys that are constants of `fn` (a fused chain does not:
       such a key is there at every signature, and its layer's own capture warned).
-    twin: trace on the Explicit twin of the arguments' mesh (`explicit.Twin`): reduced
-      arguments get unreduced gradients, and the rest leaves on the arguments' Auto mesh.
+    twin: trace on the Explicit twin of the arguments' mesh (`explicit.Twin`): every output
+      typed on the twin, reduced arguments with unreduced gradients.
   """
   timer = _Timer()
   start = time.perf_counter()

@@ -8,10 +8,11 @@ backward can return its weight gradient unreduced and the next backward reduce-s
 under its own compute (`jaxgraph.prefetch`).
 
 A `Twin` traces an executable on the Explicit twin of the Auto mesh its arguments live on (the
-same devices in the same order, every axis Explicit), and lets what the user sees leave it on
-the Auto mesh again: activations, their cotangents and the gradients of sharded weights. Only
-`{R}` / `{U}` values, which exist on Explicit axes alone, keep the twin's mesh. Executables
-compiled for the twin take arrays of the Auto mesh as they are (the same devices and layout).
+same devices in the same order, every axis Explicit). Its inputs and outputs are all typed on
+the twin (jax 0.11 refuses a program whose shardings are on two meshes, even twins); it takes
+arrays of the Auto mesh as they are (the same devices and layout: the call compares
+placements, not types), and `to_auto` hands an output back to the user's side, the same
+buffers on the Auto mesh.
 """
 
 from __future__ import annotations
@@ -52,14 +53,24 @@ class Twin:
     return sharding
 
   def outside(self, spec: PartitionSpec, *, cotangent: bool) -> NamedSharding:
-    """Where a value of the twin's trace with `spec` leaves the executable: a reduced one
-    stays on the twin (as a cotangent, unreduced), any other goes back to the Auto mesh."""
+    """Where a value of the twin's trace with `spec` leaves the executable, on the twin: a
+    reduced one as it is (as a cotangent, unreduced), any other in the canonical spelling."""
     if spec.reduced:
-      spec = _respec(spec, unreduced=spec.reduced) if cotangent else spec
-      return NamedSharding(self.explicit, spec)
+      return NamedSharding(self.explicit,
+                           _respec(spec, unreduced=spec.reduced) if cotangent else spec)
     if spec.unreduced:
       return NamedSharding(self.explicit, spec)
-    return NamedSharding(self.auto, _respec(spec))
+    return NamedSharding(self.explicit, _respec(spec))
+
+  def to_auto(self, value: Any) -> Any:
+    """An array an executable on the twin returned, on the Auto mesh: the same device
+    buffers, no copy (anything else as it is)."""
+    sharding = getattr(value, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != self.explicit:
+      return value
+    auto = NamedSharding(self.auto, _respec(sharding.spec), memory_kind=sharding.memory_kind)
+    return jax.make_array_from_single_device_arrays(
+        value.shape, auto, [shard.data for shard in value.addressable_shards])
 
   def signature(self, signature: sig_lib.Signature) -> sig_lib.Signature:
     """`signature` with every leaf of the Auto mesh moved to the twin (what is traced)."""

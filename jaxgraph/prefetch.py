@@ -275,8 +275,9 @@ class ChainPullback:
   """
 
   def __init__(self, pullbacks: list[graphed_lib.Pullback], structures: list[Any],
-               handed_specs: list[Any]):
+               handed_specs: list[Any], twin: explicit_lib.Twin):
     self._pullbacks = pullbacks
+    self._twin = twin  # the gradients and the input's cotangent leave on its Auto mesh
     self._structures = structures  # per layer, its params' (a FlatTree's) pytree structure
     self._handed_specs = handed_specs  # per step, the gathered params it takes (specs)
 
@@ -299,12 +300,16 @@ class ChainPullback:
       ct = cotangent if handed is None else (cotangent, handed)
       own, upcoming, cotangent = self._pullbacks[j](ct)[:3]
       if upcoming is not None:
-        grads[j + 1] = jax.tree.unflatten(self._structures[j + 1], upcoming.buffers)
+        grads[j + 1] = self._to_auto(self._structures[j + 1], upcoming.buffers)
       if j:
         handed = jax.tree.map(_zero_if_float0, own, self._handed_specs[j])
       else:
-        grads[0] = jax.tree.unflatten(self._structures[0], own.buffers)
-    return grads, cotangent
+        grads[0] = self._to_auto(self._structures[0], own.buffers)
+    return grads, jax.tree.map(self._twin.to_auto, cotangent)
+
+  def _to_auto(self, structure: Any, buffers: Sequence[Any]) -> Any:
+    """A layer's gradient buffers as its params' FlatTree, on the params' Auto mesh."""
+    return jax.tree.unflatten(structure, [self._twin.to_auto(b) for b in buffers])
 
 
 def _abstract(tree: Any) -> Any:
@@ -341,7 +346,8 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
   """The prefetching forward of a run of eligible layers; None where it cannot run: a layer
   that does not trace on the Explicit twin of its mesh (said once on the `jaxgraph` logger)
   or a step past its max_captures. The run then goes unprefetched."""
-  steps = _steps(layers, explicit_lib.twin(params[0].layout.gather.mesh))
+  twin = explicit_lib.twin(params[0].layout.gather.mesh)
+  steps = _steps(layers, twin)
   args = (Sharded(params[0].buffers, params[0].layout),
           Sharded(params[1].buffers, params[1].layout), x, *consts)
   leaves, treedef = jax.tree.flatten(args)
@@ -357,8 +363,10 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
       ready = False
       logger.warning(
           "%s does not trace on the Explicit twin of its FSDP mesh (%s: %s), so its chain "
-          "runs without prefetch: each layer gathers and reduces its own weights.",
-          layers[0].name, type(e).__name__, str(e).split("\n", 1)[0])
+          "runs without prefetch: each layer gathers and reduces its own weights (the "
+          "traceback: logging.getLogger('jaxgraph').setLevel(logging.DEBUG)).",
+          layers[0].name, type(e).__name__, str(e).split("\n", 1)[0],
+          exc_info=logger.isEnabledFor(logging.DEBUG))
     config.prefetch[key] = ready
   if not ready:
     return None
@@ -373,4 +381,5 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
     handed_specs.append(_abstract(gathered) if i else None)
     x, gathered = (out, None) if upcoming is None else out
     pullbacks.append(pullback)
-  return x, ChainPullback(pullbacks, [jax.tree.structure(p) for p in params], handed_specs)
+  return jax.tree.map(twin.to_auto, x), ChainPullback(
+      pullbacks, [jax.tree.structure(p) for p in params], handed_specs, twin)

@@ -157,6 +157,13 @@ def test_prefetch_hands_each_collective_to_the_next_executable(mesh):
       backward = entry.backward["full"][0].as_text()
       own = step.fn.own
       gathers_next = len(entry.layout.out_specs) > 1
+      # Every placed input and output of a step's executables is on the Explicit twin: jax
+      # 0.11 refuses to lower a program whose shardings are on two meshes, even twins.
+      for exe in (entry.forward["explicit", True], entry.backward["full"][0]):
+        placed = [sh for sh in jax.tree.leaves((exe.input_shardings, exe.output_shardings))
+                  if isinstance(sh, jax.sharding.NamedSharding)]
+        assert placed and {sh.mesh.axis_types for sh in placed} == {
+            (jax.sharding.AxisType.Explicit,)}
       found[own, gathers_next] = (_collectives(forward, length),
                                   _collectives(backward, length))
   assert found == {(True, True): (2, 2), (False, True): (1, 1), (False, False): (0, 0)}
