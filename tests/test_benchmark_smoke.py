@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -280,10 +281,8 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   record = tmp_path / "fsdp.txt"
   run = run_script("llama_fsdp.py", "--rows", "tiny:2", "--per-process", "--rounds", "1",
                    "--round-steps", "1", "--out", str(tmp_path), "--record", str(record))
-  lines = record.read_text().splitlines()
-  assert [line.split(" ", 1)[0] for line in lines[:6]] == [
-      "commit", "device", "jax", "xla_flags", "date", "command"]
-  rows = [dict(field.split("=", 1) for field in line.split()[1:]) for line in lines[6:]]
+  facts, rows = _module("llama_fsdp").read_record(record.read_text())
+  assert list(facts) == ["commit", "device", "jax", "xla_flags", "date", "command"]
   assert [(row["n"], row["processes"]) for row in rows] == [("2", "1"), ("2", "2")]
   for row in rows:
     assert float(row["graphed"]) > 0 and float(row["whole"]) > 0
@@ -291,6 +290,38 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   found = json.loads((tmp_path / "llama_fsdp.json").read_text())
   assert found[0]["collectives"]["Block[1] forward"] == {"all-gather f32": 1}  # bf16 on GPUs
   assert "tiny:2" in run.stdout
+
+
+def test_llama_fsdp_record_keeps_each_field_whole(monkeypatch):
+  """A record's values may hold spaces (a device kind, several XLA flags, a row's flags, a
+  failed row's error): its facts read back by key and its rows field by field. A row that
+  failed (as one did on 4 GPUs, its error then written with spaces) is a row line too."""
+  llama_fsdp = _module("llama_fsdp")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/x")
+  rates = {"median": 1000.0, "spread_percent": 1.0, "rounds": [990.0, 1000.0, 1010.0]}
+  done = {"preset": "gpu", "n": 4, "flags": "--fuse 4", "processes": 1, "concurrent": 2,
+          "rates": {"graphed": rates, "whole_step": {**rates, "median": 1250.0}},
+          "graphed_peak_bytes": 2**31, "whole_planned_peak_bytes": 2**32,
+          "device_kind": "NVIDIA H200"}
+  failed = {"preset": "gpu", "n": 4, "flags": "", "processes": 4, "concurrent": 1,
+            "error": "exit codes -6,0,0,0", "log": "Fatal Python error: Aborted"}
+  lines = llama_fsdp.record_lines([done, failed], "python3 llama_fsdp.py --rows 'gpu:4:--fuse 4'",
+                                  commit="abc")
+  facts, rows = llama_fsdp.read_record("\n".join(lines) + "\n")
+  assert facts == {"commit": "abc", "device": "NVIDIA H200, rows on up to 4 of them",
+                   "jax": jax.__version__,
+                   "xla_flags": "--xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/x",
+                   "date": facts["date"],
+                   "command": "python3 llama_fsdp.py --rows 'gpu:4:--fuse 4'"}
+  assert rows[0] == {"preset": "gpu", "n": "4", "graphed": "1000", "whole": "1250",
+                     "ratio": "0.800", "spread": "1.0%", "processes": "1", "flags": "--fuse_4",
+                     "concurrent": "2", "rounds": "3", "graphed_peak_gib": "2.00",
+                     "whole_planned_gib": "4.00"}
+  assert rows[1] == {"preset": "gpu", "n": "4", "processes": "4", "flags": "-",
+                     "error": "exit_codes_-6,0,0,0"}
+  # The line the earlier format wrote for a failed row: its error's spaces split it.
+  with pytest.raises(ValueError, match=r"row fields without '=' \['codes', '\[1,', \"0\]'\"\]"):
+    llama_fsdp.read_record("row preset=tiny n=2 processes=2 flags=- error='exit codes [1, 0]'")
 
 
 def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
