@@ -1,5 +1,6 @@
 """Smoke tests of benchmarks/ and benchmarks/probes/ at tiny sizes on the CPU: each script
-runs and reports what it measures (benchmarks/README.md lists them).
+runs and reports what it measures (benchmarks/README.md lists them). The scripts run on the
+CPU on any machine (`run_script`), so their tests are `cpu_only`: a GPU run leaves them to CI.
 
 No timing thresholds: timings belong in docs/performance.md, not in pass/fail tests.
 """
@@ -58,6 +59,7 @@ SMOKE_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-recom
                   "jaxgraph-raw-own", "jit-unrolled", "jit-unrolled-nodropout", "jit-scan")
 
 
+@pytest.mark.cpu_only
 def test_bench_tiny_reports_its_variants(run_script, tmp_path):
   bench = _module("bench")
   assert set(SMOKE_VARIANTS) <= set(bench.JAX_VARIANTS)
@@ -84,6 +86,7 @@ def test_bench_tiny_reports_its_variants(run_script, tmp_path):
   assert (tmp_path / "bench.png").exists() or "no plot" in run.stdout
 
 
+@pytest.mark.cpu_only
 def test_llama_breakdown_tiny_reports_each_part(run_script, tmp_path):
   """benchmarks/probes/llama_breakdown.py follows the Llama example it measures (it builds
   the example's trainer and whole step): it runs at the tiny preset and reports its parts."""
@@ -95,6 +98,7 @@ def test_llama_breakdown_tiny_reports_each_part(run_script, tmp_path):
   assert found["step"]["graphed_tok_s"] > 0 and found["step"]["whole_tok_s"] > 0
 
 
+@pytest.mark.cpu_only
 def test_llama_offload_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/llama_offload.py builds the Llama example's step with its --offload, one
   process per variant, and reports tokens/s, the bytes moved and the plan (no device memory
@@ -112,6 +116,7 @@ def test_llama_offload_tiny_reports_each_variant(run_script, tmp_path):
   assert "block       fwd ms" in run.stdout  # the plan's per-block measurement
 
 
+@pytest.mark.cpu_only
 def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_path):
   """benchmarks/llama_lora.py trains a base run, then fine-tunes it in full and with LoRA, one
   process each, and reports both runs' tokens/s and what each trained."""
@@ -130,6 +135,7 @@ def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_pat
   assert "vs full" in run.stdout
 
 
+@pytest.mark.cpu_only
 def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/probes/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT
   and the Llama example, and reports their timings, host costs and executables (no GPU
@@ -150,6 +156,7 @@ def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
     assert r["fused"] == ("vs_per_layer" in r)
 
 
+@pytest.mark.cpu_only
 def test_profile_replay_tiny_traces_and_profiles_jaxgraph(run_script, tmp_path):
   """benchmarks/probes/profile_replay.py traces a bench.py variant (the host's events on the
   CPU) and profiles jaxgraph's host side."""
@@ -162,6 +169,7 @@ def test_profile_replay_tiny_traces_and_profiles_jaxgraph(run_script, tmp_path):
   assert "function calls" in (tmp_path / "host_profile.txt").read_text()
 
 
+@pytest.mark.cpu_only
 def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, tmp_path):
   """benchmarks/probes/native_breakdown.py on collapsed stacks written here: a specific part
   anywhere on the stack wins over the generic ones, which go innermost first."""
@@ -181,6 +189,7 @@ def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, 
   assert shares["all (wall time / executable calls)"] == ["100.0%", "1000.0"]
 
 
+@pytest.mark.cpu_only
 def test_host_per_call_reports_the_tree_it_measured(run_script):
   """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names)."""
   run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2")
@@ -190,6 +199,7 @@ def test_host_per_call_reports_the_tree_it_measured(run_script):
   assert result["us_per_call"] > 0 and result["backend"] == "cpu"
 
 
+@pytest.mark.cpu_only
 def test_host_per_call_times_fsdp_over_devices_against_the_bare_executables(run_script):
   """--devices 2: flat params sharded over 2 devices, the same executables called bare, and
   jaxgraph's Python alone; every time is reported."""
@@ -246,6 +256,7 @@ def test_default_attention_follows_the_backend(platform_gate, cudnn):
   assert harness.attention("default") is None
 
 
+@pytest.mark.cpu_only
 def test_lora_bench_tiny_reports_both_variants(run_script, tmp_path):
   """benchmarks/lora_bench.py times the backward of a LoRA stack with and without
   `grad_mask`; its masked backward has the two frozen base weights' dW matmuls fewer."""
@@ -259,6 +270,7 @@ def test_lora_bench_tiny_reports_both_variants(run_script, tmp_path):
   assert lora["backward_matmuls_per_layer"] == full["backward_matmuls_per_layer"] - 2
 
 
+@pytest.mark.cpu_only
 def test_cpu_collective_deadlock_probe_reports_each_setting(run_script):
   """benchmarks/probes/cpu_collective_deadlock.py trains plain-JAX FSDP layers on 8 CPU
   devices in child processes and reports, per waiting interval, the copies that finished,
@@ -274,6 +286,7 @@ def test_cpu_collective_deadlock_probe_reports_each_setting(run_script):
     assert r["copies"][0]["steps_dispatched"] == 3
 
 
+@pytest.mark.cpu_only
 def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   """benchmarks/llama_fsdp.py runs a row per preset:N in fresh processes (one driving the N
   devices, and N of one device each) and writes the record's lines: the facts of the run and
@@ -324,6 +337,7 @@ def test_llama_fsdp_record_keeps_each_field_whole(monkeypatch):
     llama_fsdp.read_record("row preset=tiny n=2 processes=2 flags=- error='exit codes [1, 0]'")
 
 
+@pytest.mark.cpu_only
 def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
   """benchmarks/probes/fsdp_prefetch.py builds a plain-JAX FSDP step on 4 virtual devices as
   one jit, per-layer executables and prefetching ones, checks every variant's gradients

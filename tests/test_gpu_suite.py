@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "gpu_suite.py"
@@ -70,6 +71,7 @@ def test_summary_line_is_pytests_last():
   assert gpu_suite.summary_line(["Traceback (most recent call last):"]) is None
 
 
+@pytest.mark.cpu_only
 def test_device_line_counts_every_device():
   """The record's device line names how many devices the suite saw: all of the default
   backend's, by kind (the probe in a process of its own, here given 4 CPU devices)."""

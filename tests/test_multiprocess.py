@@ -61,7 +61,8 @@ def _run_workers(tmp_path: pathlib.Path, processes: int, local_devices: int,
 
 
 @pytest.mark.parametrize("platform, processes, local_devices", [
-    ("cpu", 2, 4), ("cpu", 4, 1),
+    pytest.param("cpu", 2, 4, marks=pytest.mark.cpu_only),
+    pytest.param("cpu", 4, 1, marks=pytest.mark.cpu_only),
     pytest.param("gpu", 2, 1, marks=[pytest.mark.gpu, pytest.mark.devices(2, platform="gpu")]),
 ])
 def test_processes_train_fsdp_over_all_devices(tmp_path, platform, processes, local_devices):
