@@ -7,7 +7,7 @@ One command runs the suite on any machine: `python -m pytest`. Before jax is imp
 * A CUDA GPU is usable (a jax CUDA plugin is installed and an NVIDIA device is present):
   the tests run on the GPU (JAX's default backend), with deterministic GPU reductions, which
   the bitwise comparisons need. `gpu` tests run; `cpu_only` tests (their JAX work runs on
-  the CPU on any machine) are deselected: the CPU run covers them.
+  the CPU on any machine) are deselected, the CPU run covers them (`-m cpu_only` runs them).
 * Otherwise JAX_PLATFORMS=cpu, as CI runs; `gpu` tests are skipped, saying why.
 
 A JAX_PLATFORMS or an XLA flag the user set is kept (`JAX_PLATFORMS=cpu` runs the CPU suite
@@ -120,7 +120,9 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
   on_gpu = jax.default_backend() == "gpu"
-  if on_gpu:  # the CPU CI runs these as they would run here (README, "Run the tests")
+  # The CPU CI runs these as they would run here (docs/reliability.md); `-m cpu_only` asks
+  # for them.
+  if on_gpu and "cpu_only" not in (config.getoption("markexpr") or ""):
     cpu_only = [item for item in items if "cpu_only" in item.keywords]
     if cpu_only:
       config.hook.pytest_deselected(items=cpu_only)
