@@ -98,11 +98,12 @@ def test_processes_train_fsdp_over_all_devices(tmp_path, platform, processes, lo
   (one,) = _run_workers(tmp_path, 1, devices, platform)
   assert int(one["devices"]) == int(one["local_devices"]) == devices
   if platform == "gpu":
-    # Two compilations, each in its own process, and NCCL communicators of another shape
-    # (one process driving both GPUs, or one each): nothing promises the same kernels, so
-    # the losses are compared to a tolerance (with deterministic ops and two ranks, whose
-    # sums are the same in either order, they are expected to agree to the bit).
-    np.testing.assert_allclose(first["losses"], one["losses"], rtol=1e-5)
+    # Two compilations, each in its own process and autotuned there (a GEMM's algorithm is
+    # picked by timing it, on a GPU the suite's other workers share), and NCCL communicators
+    # of another shape (one process driving both GPUs, or one each): nothing promises the
+    # same kernels, so the losses are compared to a tolerance. A plumbing fault (a wrong
+    # shard, a missing reduction) moves them far more.
+    np.testing.assert_allclose(first["losses"], one["losses"], rtol=1e-4)
     return
   # On CPU its collectives go through gloo too, which sums in the same order, so every step
   # is bitwise the processes' (the in-process CPU collectives sum in another order: up to
