@@ -42,7 +42,7 @@ COMMAND = ("python", "-m", "pytest", "-n", "4")  # README's GPU test command
 GUARDED = ("jaxgraph", "tests", "examples", "pyproject.toml", "conftest.py")  # need a new run
 _PROBE = ("import json, jax, jaxlib; d = jax.devices(); print(json.dumps(dict("
           "jax=jax.__version__, jaxlib=jaxlib.__version__, platform=d[0].platform, "
-          "count=len(d), kind=d[0].device_kind)))")
+          "kinds=[x.device_kind for x in d])))")
 # pytest's last line: "==== 1 failed, 523 passed, 5 skipped in 310.12s (0:05:10) ====".
 _SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+|no tests ran)(?:, \d+ \w+)* in [\d.]+s\b.*?)\s*=*$")
 
@@ -89,16 +89,24 @@ def tested_commit(root: pathlib.Path, given: str | None) -> str:
   return head
 
 
+def device_line(platform: str, kinds: Sequence[str]) -> str:
+  """The record's device: the platform and how many devices of each kind, in jax's order
+  ("gpu: 4 x NVIDIA H200", "gpu: 2 x NVIDIA H100 80GB HBM3, 1 x NVIDIA A100-SXM4-80GB")."""
+  counts = {kind: kinds.count(kind) for kind in kinds}
+  return f"{platform}: " + ", ".join(f"{n} x {kind}" for kind, n in counts.items())
+
+
 def device_and_jax(env: dict[str, str]) -> tuple[str, str]:
-  """("gpu: 1 x NVIDIA H100 80GB HBM3", "0.11.2 (jaxlib 0.11.2)"), asked of jax in a
-  process of its own that ends before the suite starts (it holds no device memory)."""
+  """("gpu: 4 x NVIDIA H100 80GB HBM3", "0.11.2 (jaxlib 0.11.2)"): every device of jax's
+  default backend, asked of jax in a process of its own that ends before the suite starts
+  (it holds no device memory)."""
   run = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
                        env={**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, check=False)
   if run.returncode != 0:
     failed = f"unknown (jax failed to start: {run.stderr.strip().splitlines()[-1:]})"
     return failed, failed
   found = json.loads(run.stdout.strip().splitlines()[-1])
-  return (f"{found['platform']}: {found['count']} x {found['kind']}",
+  return (device_line(found["platform"], found["kinds"]),
           f"{found['jax']} (jaxlib {found['jaxlib']})")
 
 

@@ -30,8 +30,11 @@ functions and shardings), from the same params; then:
     and the exposed rest.
 
 Prints a table and writes llama_fsdp.json to --out; --record writes the rows as
-docs/results/fsdp-gpu.txt's lines (commit, device, jax, XLA flags, date, command, one
-`row ...` line per row and process layout).
+docs/results/fsdp-gpu.txt's lines: the run's facts, one `key value` line each (commit,
+device, jax, xla_flags, date, command), then one `row key=value key=value ...` line per row
+and process layout, no value holding a space (`read_record` reads them back). A row whose
+processes failed is recorded as `row ... error=...`, its processes' output printed to
+stderr, and the script exits with status 1 after the other rows.
 """
 
 from __future__ import annotations
@@ -232,7 +235,8 @@ def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Na
     logs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs) or not result_path.exists():
       tail = "\n".join(log[-3000:] for log in logs)
-      return {"error": f"exit codes {[p.returncode for p in procs]}", "log": tail}
+      codes = ",".join(str(p.returncode) for p in procs)
+      return {"error": f"exit codes {codes}", "log": tail}
     return json.loads(result_path.read_text())
 
 
@@ -284,13 +288,15 @@ def _spread(row: dict[str, Any]) -> float:
   return max(row["rates"][k]["spread_percent"] or 0 for k in ("graphed", "whole_step"))
 
 
-def _flags(row: dict[str, Any]) -> str:
-  """A row's extra flags as one field of a record line."""
-  return row["flags"].replace(" ", "_") or "-"
+def _field(text: str) -> str:
+  """`text` as one value of a row line, which splits at spaces: each run of whitespace an
+  underscore (`--fuse 4`: `--fuse_4`), "-" for none."""
+  return re.sub(r"\s+", "_", text.strip()) or "-"
 
 
 def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -> list[str]:
-  """docs/results/fsdp-gpu.txt: the run's facts, then one line per row."""
+  """docs/results/fsdp-gpu.txt: the run's facts (`key value`, the value free text), then one
+  `row key=value ...` line per row, its values without spaces (`_field`)."""
   if commit is None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
@@ -307,7 +313,7 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
   for row in rows:
     if "error" in row:
       lines.append(f"row preset={row['preset']} n={row['n']} processes={row['processes']} "
-                   f"flags={_flags(row)} error={row['error']!r}")
+                   f"flags={_field(row['flags'])} error={_field(row['error'])}")
       continue
     graphed, whole = (row["rates"][k] for k in ("graphed", "whole_step"))
     peaks = (f" graphed_peak_gib={row['graphed_peak_bytes'] / 2**30:.2f}"
@@ -316,11 +322,32 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
         f"row preset={row['preset']} n={row['n']} graphed={graphed['median']:.0f} "
         f"whole={whole['median']:.0f} ratio={graphed['median'] / whole['median']:.3f} "
         f"spread={_spread(row):.1f}% processes={row['processes']} "
-        f"flags={_flags(row)} prefetch={'on' if row.get('prefetch') else 'off'} "
+        f"flags={_field(row['flags'])} prefetch={'on' if row.get('prefetch') else 'off'} "
         f"concurrent={row['concurrent']} "
         f"rounds={len(graphed['rounds'])}"
         f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}")
   return lines
+
+
+def read_record(text: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+  """A record's facts (by key) and its rows (each a dict of its `key=value` fields).
+
+  Raises:
+    ValueError: a row field without `=` (the record was written by a version that let a
+      value hold a space: rewrite it with this one).
+  """
+  facts, rows = {}, []
+  for line in text.splitlines():
+    key, _, value = line.partition(" ")
+    if key != "row":
+      facts[key] = value
+      continue
+    fields = value.split()
+    if bad := [field for field in fields if "=" not in field]:
+      raise ValueError(f"row fields without '=' {bad} in {line!r}: every row field is "
+                       "key=value without spaces (record_lines)")
+    rows.append(dict(field.split("=", 1) for field in fields))
+  return facts, rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -382,7 +409,7 @@ def main() -> None:
     rows.extend(done)
     for row in done:
       if "error" in row:
-        print(row["log"], flush=True)
+        print(row["log"], file=sys.stderr, flush=True)
     # after every wave: a run cut short keeps the rows done
     if options.out is not None:
       options.out.mkdir(parents=True, exist_ok=True)
@@ -394,6 +421,10 @@ def main() -> None:
   print(json.dumps(rows))
   if options.record is not None:
     print(f"wrote {options.record}")
+  if failed := [row for row in rows if "error" in row]:
+    sys.exit(f"{len(failed)} of {len(rows)} runs failed (their output is above): "
+             + "; ".join(f"{row['preset']}:{row['n']} {row['flags']} in {row['processes']} "
+                         f"process(es): {row['error']}" for row in failed))
 
 
 if __name__ == "__main__":

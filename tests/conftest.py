@@ -6,7 +6,8 @@ One command runs the suite on any machine: `python -m pytest`. Before jax is imp
 
 * A CUDA GPU is usable (a jax CUDA plugin is installed and an NVIDIA device is present):
   the tests run on the GPU (JAX's default backend), with deterministic GPU reductions, which
-  the bitwise comparisons need. `gpu` tests run.
+  the bitwise comparisons need. `gpu` tests run; `cpu_only` tests (their JAX work runs on
+  the CPU on any machine) are deselected, the CPU run covers them (`-m cpu_only` runs them).
 * Otherwise JAX_PLATFORMS=cpu, as CI runs; `gpu` tests are skipped, saying why.
 
 A JAX_PLATFORMS or an XLA flag the user set is kept (`JAX_PLATFORMS=cpu` runs the CPU suite
@@ -119,6 +120,13 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
   on_gpu = jax.default_backend() == "gpu"
+  # The CPU CI runs these as they would run here (docs/reliability.md); `-m cpu_only` asks
+  # for them.
+  if on_gpu and "cpu_only" not in (config.getoption("markexpr") or ""):
+    cpu_only = [item for item in items if "cpu_only" in item.keywords]
+    if cpu_only:
+      config.hook.pytest_deselected(items=cpu_only)
+      items[:] = [item for item in items if "cpu_only" not in item.keywords]
   gpu_skip = pytest.mark.skip(
       reason=f"needs a CUDA GPU; the default backend is {jax.default_backend()}")
   for item in items:

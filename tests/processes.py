@@ -21,16 +21,20 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_processes(commands: Sequence[Sequence[str]], env: dict[str, str],
-                  timeout: float) -> list[str]:
+def run_processes(commands: Sequence[Sequence[str]],
+                  env: dict[str, str] | Sequence[dict[str, str]], timeout: float) -> list[str]:
   """Starts every command at once and waits for all of them, `timeout` seconds at most.
+
+  `env`: every process's environment, or one per command (one GPU visible to each).
 
   Returns each process's output (stdout and stderr together). Fails the test, showing every
   output, when the processes do not finish in time (they are killed) or one exits with an
   error.
   """
-  procs = [subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for command in commands]
+  envs = [env] * len(commands) if isinstance(env, dict) else list(env)
+  procs = [subprocess.Popen(list(command), env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+           for command, e in zip(commands, envs, strict=True)]
   logs = []
   try:
     for proc in procs:

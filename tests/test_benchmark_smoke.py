@@ -1,5 +1,6 @@
 """Smoke tests of benchmarks/ and benchmarks/probes/ at tiny sizes on the CPU: each script
-runs and reports what it measures (benchmarks/README.md lists them).
+runs and reports what it measures (benchmarks/README.md lists them). The scripts run on the
+CPU on any machine (`run_script`), so their tests are `cpu_only`: a GPU run leaves them to CI.
 
 No timing thresholds: timings belong in docs/performance.md, not in pass/fail tests.
 """
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +59,7 @@ SMOKE_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-recom
                   "jaxgraph-raw-own", "jit-unrolled", "jit-unrolled-nodropout", "jit-scan")
 
 
+@pytest.mark.cpu_only
 def test_bench_tiny_reports_its_variants(run_script, tmp_path):
   bench = _module("bench")
   assert set(SMOKE_VARIANTS) <= set(bench.JAX_VARIANTS)
@@ -83,6 +86,7 @@ def test_bench_tiny_reports_its_variants(run_script, tmp_path):
   assert (tmp_path / "bench.png").exists() or "no plot" in run.stdout
 
 
+@pytest.mark.cpu_only
 def test_llama_breakdown_tiny_reports_each_part(run_script, tmp_path):
   """benchmarks/probes/llama_breakdown.py follows the Llama example it measures (it builds
   the example's trainer and whole step): it runs at the tiny preset and reports its parts."""
@@ -94,6 +98,7 @@ def test_llama_breakdown_tiny_reports_each_part(run_script, tmp_path):
   assert found["step"]["graphed_tok_s"] > 0 and found["step"]["whole_tok_s"] > 0
 
 
+@pytest.mark.cpu_only
 def test_llama_offload_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/llama_offload.py builds the Llama example's step with its --offload, one
   process per variant, and reports tokens/s, the bytes moved and the plan (no device memory
@@ -111,6 +116,7 @@ def test_llama_offload_tiny_reports_each_variant(run_script, tmp_path):
   assert "block       fwd ms" in run.stdout  # the plan's per-block measurement
 
 
+@pytest.mark.cpu_only
 def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_path):
   """benchmarks/llama_lora.py trains a base run, then fine-tunes it in full and with LoRA, one
   process each, and reports both runs' tokens/s and what each trained."""
@@ -129,6 +135,7 @@ def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_pat
   assert "vs full" in run.stdout
 
 
+@pytest.mark.cpu_only
 def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/probes/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT
   and the Llama example, and reports their timings, host costs and executables (no GPU
@@ -149,6 +156,7 @@ def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
     assert r["fused"] == ("vs_per_layer" in r)
 
 
+@pytest.mark.cpu_only
 def test_profile_replay_tiny_traces_and_profiles_jaxgraph(run_script, tmp_path):
   """benchmarks/probes/profile_replay.py traces a bench.py variant (the host's events on the
   CPU) and profiles jaxgraph's host side."""
@@ -161,6 +169,7 @@ def test_profile_replay_tiny_traces_and_profiles_jaxgraph(run_script, tmp_path):
   assert "function calls" in (tmp_path / "host_profile.txt").read_text()
 
 
+@pytest.mark.cpu_only
 def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, tmp_path):
   """benchmarks/probes/native_breakdown.py on collapsed stacks written here: a specific part
   anywhere on the stack wins over the generic ones, which go innermost first."""
@@ -180,6 +189,7 @@ def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, 
   assert shares["all (wall time / executable calls)"] == ["100.0%", "1000.0"]
 
 
+@pytest.mark.cpu_only
 def test_host_per_call_reports_the_tree_it_measured(run_script):
   """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names)."""
   run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2")
@@ -189,6 +199,7 @@ def test_host_per_call_reports_the_tree_it_measured(run_script):
   assert result["us_per_call"] > 0 and result["backend"] == "cpu"
 
 
+@pytest.mark.cpu_only
 def test_host_per_call_times_fsdp_over_devices_against_the_bare_executables(run_script):
   """--devices 2: flat params sharded over 2 devices, the same executables called bare, and
   jaxgraph's Python alone; every time is reported."""
@@ -245,6 +256,7 @@ def test_default_attention_follows_the_backend(platform_gate, cudnn):
   assert harness.attention("default") is None
 
 
+@pytest.mark.cpu_only
 def test_lora_bench_tiny_reports_both_variants(run_script, tmp_path):
   """benchmarks/lora_bench.py times the backward of a LoRA stack with and without
   `grad_mask`; its masked backward has the two frozen base weights' dW matmuls fewer."""
@@ -258,6 +270,7 @@ def test_lora_bench_tiny_reports_both_variants(run_script, tmp_path):
   assert lora["backward_matmuls_per_layer"] == full["backward_matmuls_per_layer"] - 2
 
 
+@pytest.mark.cpu_only
 def test_cpu_collective_deadlock_probe_reports_each_setting(run_script):
   """benchmarks/probes/cpu_collective_deadlock.py trains plain-JAX FSDP layers on 8 CPU
   devices in child processes and reports, per waiting interval, the copies that finished,
@@ -273,6 +286,7 @@ def test_cpu_collective_deadlock_probe_reports_each_setting(run_script):
     assert r["copies"][0]["steps_dispatched"] == 3
 
 
+@pytest.mark.cpu_only
 def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   """benchmarks/llama_fsdp.py runs a row per preset:N in fresh processes (one driving the N
   devices, and N of one device each) and writes the record's lines: the facts of the run and
@@ -280,10 +294,8 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   record = tmp_path / "fsdp.txt"
   run = run_script("llama_fsdp.py", "--rows", "tiny:2", "--per-process", "--rounds", "1",
                    "--round-steps", "1", "--out", str(tmp_path), "--record", str(record))
-  lines = record.read_text().splitlines()
-  assert [line.split(" ", 1)[0] for line in lines[:6]] == [
-      "commit", "device", "jax", "xla_flags", "date", "command"]
-  rows = [dict(field.split("=", 1) for field in line.split()[1:]) for line in lines[6:]]
+  facts, rows = _module("llama_fsdp").read_record(record.read_text())
+  assert list(facts) == ["commit", "device", "jax", "xla_flags", "date", "command"]
   assert [(row["n"], row["processes"]) for row in rows] == [("2", "1"), ("2", "2")]
   for row in rows:
     assert float(row["graphed"]) > 0 and float(row["whole"]) > 0
@@ -293,6 +305,39 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   assert "tiny:2" in run.stdout
 
 
+def test_llama_fsdp_record_keeps_each_field_whole(monkeypatch):
+  """A record's values may hold spaces (a device kind, several XLA flags, a row's flags, a
+  failed row's error): its facts read back by key and its rows field by field. A row that
+  failed (as one did on 4 GPUs, its error then written with spaces) is a row line too."""
+  llama_fsdp = _module("llama_fsdp")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/x")
+  rates = {"median": 1000.0, "spread_percent": 1.0, "rounds": [990.0, 1000.0, 1010.0]}
+  done = {"preset": "gpu", "n": 4, "flags": "--fuse 4", "processes": 1, "concurrent": 2,
+          "rates": {"graphed": rates, "whole_step": {**rates, "median": 1250.0}},
+          "graphed_peak_bytes": 2**31, "whole_planned_peak_bytes": 2**32,
+          "device_kind": "NVIDIA H200"}
+  failed = {"preset": "gpu", "n": 4, "flags": "", "processes": 4, "concurrent": 1,
+            "error": "exit codes -6,0,0,0", "log": "Fatal Python error: Aborted"}
+  lines = llama_fsdp.record_lines([done, failed], "python3 llama_fsdp.py --rows 'gpu:4:--fuse 4'",
+                                  commit="abc")
+  facts, rows = llama_fsdp.read_record("\n".join(lines) + "\n")
+  assert facts == {"commit": "abc", "device": "NVIDIA H200, rows on up to 4 of them",
+                   "jax": jax.__version__,
+                   "xla_flags": "--xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/x",
+                   "date": facts["date"],
+                   "command": "python3 llama_fsdp.py --rows 'gpu:4:--fuse 4'"}
+  assert rows[0] == {"preset": "gpu", "n": "4", "graphed": "1000", "whole": "1250",
+                     "ratio": "0.800", "spread": "1.0%", "processes": "1", "flags": "--fuse_4",
+                     "concurrent": "2", "rounds": "3", "graphed_peak_gib": "2.00",
+                     "whole_planned_gib": "4.00"}
+  assert rows[1] == {"preset": "gpu", "n": "4", "processes": "4", "flags": "-",
+                     "error": "exit_codes_-6,0,0,0"}
+  # The line the earlier format wrote for a failed row: its error's spaces split it.
+  with pytest.raises(ValueError, match=r"row fields without '=' \['codes', '\[1,', \"0\]'\"\]"):
+    llama_fsdp.read_record("row preset=tiny n=2 processes=2 flags=- error='exit codes [1, 0]'")
+
+
+@pytest.mark.cpu_only
 def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
   """benchmarks/probes/fsdp_prefetch.py builds a plain-JAX FSDP step on 4 virtual devices as
   one jit, per-layer executables and prefetching ones, checks every variant's gradients

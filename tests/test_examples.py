@@ -374,7 +374,8 @@ def test_llama_resumes_a_checkpoint_written_before_the_split(common, tmp_path, e
 # ------------------------------------------------------------------------------- --fsdp
 
 FSDP = ["--preset", "tiny", "--steps", "12", "--fsdp", "8"]
-# The --fsdp tests on one xdist worker: they share the 8-device run of `fsdp_run`.
+# The --fsdp tests on one xdist worker: they share the 8-device run of `fsdp_run`. Their runs
+# are on 8 CPU devices on any machine (`_cpu_env`): `cpu_only`.
 FSDP_GROUP = pytest.mark.xdist_group("llama-fsdp")
 
 
@@ -422,6 +423,7 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory,
 
 
 @FSDP_GROUP
+@pytest.mark.cpu_only
 def test_llama_fsdp_shards_the_state_and_matches_the_whole_step(fsdp_run):
   out, metrics, log = fsdp_run
   assert "sharded over 8 cpu devices of 1 process(es)" in log
@@ -475,6 +477,7 @@ def test_llama_fsdp_shards_the_state_and_matches_the_whole_step(fsdp_run):
 
 
 @FSDP_GROUP
+@pytest.mark.cpu_only
 def test_llama_fsdp_resumes_bitwise(fsdp_run, tmp_path, env):
   out, metrics, _ = fsdp_run
   parts = tmp_path / "parts"
@@ -489,6 +492,7 @@ def test_llama_fsdp_resumes_bitwise(fsdp_run, tmp_path, env):
 
 
 @FSDP_GROUP
+@pytest.mark.cpu_only
 def test_llama_fsdp_two_processes_agree_with_one(fsdp_run, tmp_path, env):
   out, metrics, _ = fsdp_run
   port = free_port()

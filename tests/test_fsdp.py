@@ -267,6 +267,7 @@ def test_replay_with_another_sharding(mesh, one_layer, on_new_signature, caplog)
   assert grads["w1"].sharding.is_fully_replicated
 
 
+@pytest.mark.cpu_only
 def test_example_trains_with_sharded_weights():
   root = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -284,6 +285,7 @@ def test_example_trains_with_sharded_weights():
   assert len(losses) == 2 and losses[-1] < losses[0]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_benchmark_runs_on_cpu(tmp_path):
   root = pathlib.Path(__file__).resolve().parents[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import os
 import pathlib
 import re
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / ".ci" / "gpu_suite.py"
@@ -67,6 +69,19 @@ def test_summary_line_is_pytests_last():
       "523 passed, 5 skipped in 310.12s (0:05:10)")
   assert gpu_suite.summary_line(["==== no tests ran in 0.01s ===="]) == "no tests ran in 0.01s"
   assert gpu_suite.summary_line(["Traceback (most recent call last):"]) is None
+
+
+@pytest.mark.cpu_only
+def test_device_line_counts_every_device():
+  """The record's device line names how many devices the suite saw: all of the default
+  backend's, by kind (the probe in a process of its own, here given 4 CPU devices)."""
+  assert gpu_suite.device_line("gpu", ["NVIDIA H200"] * 4) == "gpu: 4 x NVIDIA H200"
+  assert gpu_suite.device_line("gpu", ["H100", "A100", "H100"]) == "gpu: 2 x H100, 1 x A100"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  device, version = gpu_suite.device_and_jax(env)
+  assert device == f"cpu: 4 x {jax.devices('cpu')[0].device_kind}"
+  assert version.startswith(f"{jax.__version__} (jaxlib ")
 
 
 def test_a_copy_without_git_is_recorded_under_the_given_commit(tmp_path):

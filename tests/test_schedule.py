@@ -400,6 +400,7 @@ def test_two_devices_match_one_device():
   assert [layer.stats.fallbacks for layer in two] == [0] * 4
 
 
+@pytest.mark.cpu_only
 def test_example_trains_over_two_devices_like_one():
   example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "pipeline_1f1b.py"
   result = subprocess.run(
