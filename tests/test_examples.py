@@ -520,6 +520,7 @@ def test_llama_fsdp_two_processes_agree_with_one(fsdp_run, tmp_path, env):
 
 
 @FSDP_GROUP
+@pytest.mark.cpu_only
 def test_llama_fsdp_prefetch_hands_collectives_across_blocks(fsdp_run, tmp_path, env):
   """--prefetch (the default on GPUs): the first block's forward gathers its own buffer and
   the next block's, the last block's gathers none, and the losses follow the unprefetched
