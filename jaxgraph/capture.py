@@ -146,6 +146,8 @@ class Executables:
   compile_seconds: float
   residual_bytes: int               # what one forward keeps for its backward (kept, packed)
   donated: tuple[int, ...] = ()     # argument leaves the outputs-only forwards donate
+  # XLA options every executable of this entry is compiled with (also those compiled later)
+  compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
 def _is_inexact(dtype: Any) -> bool:
@@ -154,6 +156,7 @@ def _is_inexact(dtype: Any) -> bool:
 
 @dataclasses.dataclass
 class _Timer:
+  options: tuple[tuple[str, Any], ...] = ()  # XLA compile options (make_graphed's)
   compiles: int = 0
   seconds: float = 0.0
 
@@ -163,7 +166,8 @@ class _Timer:
       # Donation (of residuals; of inference inputs, `donate_argnums`) is best effort: XLA
       # may find no output to reuse a buffer for, and that buffer then stays alive.
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      compiled = traced.lower().compile()
+      # None without options: jax's own executable cache applies only then
+      compiled = traced.lower().compile(dict(self.options) if self.options else None)
     self.seconds += time.perf_counter() - start
     self.compiles += 1
     return compiled
@@ -411,7 +415,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
             offload: offload_lib.Policy | None, name: str, warned_weights: dict[int, Any],
             remat_policy: Callable[..., bool] | None = None, loose_names: bool = False,
-            warn_constant_keys: bool = True) -> Executables:
+            warn_constant_keys: bool = True,
+            compiler_options: tuple[tuple[str, Any], ...] = ()) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -435,8 +440,9 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       (offload selects them by name: `make_graphed(..., offload_names=...)`).
     warn_constant_keys: warn of keys that are constants of `fn` (a fused chain does not:
       such a key is there at every signature, and its layer's own capture warned).
+    compiler_options: XLA options (name, value) every executable is compiled with.
   """
-  timer = _Timer()
+  timer = _Timer(options=compiler_options)
   start = time.perf_counter()
   closed, layout = trace_forward(fn, signature, n_keys=n_keys, diff=diff, name=name,
                                  remat_policy=remat_policy, loose_names=loose_names)
@@ -475,12 +481,14 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
                      backward=compiled_backward, closed_jaxpr=closed, moved=moved,
                      compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds,
                      residual_bytes=sum(math.prod(s.shape) * s.dtype.itemsize
-                                        for s in kept_specs))
+                                        for s in kept_specs),
+                     compiler_options=compiler_options)
 
 
 def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
                       name: str, warned_weights: dict[int, Any],
-                      donated: Sequence[int] = ()) -> Executables:
+                      donated: Sequence[int] = (),
+                      compiler_options: tuple[tuple[str, Any], ...] = ()) -> Executables:
   """Traces `fn` once, forward only, and compiles the one executable a plain call replays.
 
   That is the outputs-only forward: the stream forward with keys (`n_keys > 0`; it still
@@ -488,7 +496,7 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   explicit-key forward compiles on first use (`forward_executable(..., residuals=False)`).
   Both donate the argument leaves `donated` (as `jax.jit(..., donate_argnums=...)`); a
   buffer XLA finds no output to reuse for is not donated, without a warning.
-  `warned_weights` as in `capture`.
+  `warned_weights` and `compiler_options` as in `capture`.
   """
   start = time.perf_counter()
   closed, layout = trace_inference(fn, signature, n_keys=n_keys, name=name)
@@ -497,7 +505,8 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   _warn_constant_weights(closed, name, warned_weights)
   entry = Executables(signature=signature, layout=layout, forward={}, backward={},
                       closed_jaxpr=closed, moved=(), compiles=0, compile_seconds=0.0,
-                      residual_bytes=0, donated=tuple(donated))
+                      residual_bytes=0, donated=tuple(donated),
+                      compiler_options=compiler_options)
   _, compile_seconds = forward_executable(entry, "stream" if n_keys else "explicit",
                                           residuals=False)
   entry.compiles, entry.compile_seconds = 1, trace_seconds + compile_seconds
@@ -643,7 +652,7 @@ def forward_executable(entry: Executables, kind: ForwardKind, *,
   compiled = entry.forward.get((kind, residuals))
   if compiled is not None:
     return compiled, 0.0
-  timer = _Timer()
+  timer = _Timer(options=entry.compiler_options)
   fwd = _forward_fn(entry.closed_jaxpr, entry.layout, kind, outputs_only=not residuals,
                     moved=entry.moved if residuals else ())
   donate = () if residuals else _donated_positions(entry.donated, entry.layout, kind)
