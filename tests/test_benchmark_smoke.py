@@ -181,21 +181,29 @@ def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, 
 
 
 def test_host_per_call_reports_the_tree_it_measured(run_script):
-  """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names)."""
+  """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names), with
+  jaxgraph's default on the CPU: the layers replay one executable, no copies."""
   run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2")
   result = json.loads(run.stdout.splitlines()[-1])
   assert os.path.realpath(result["jaxgraph"]) == os.path.realpath(
       os.path.join(ROOT, "jaxgraph", "__init__.py"))
   assert result["us_per_call"] > 0 and result["backend"] == "cpu"
+  assert result["per_layer_executables"] is False and result["per_layer_copies"] == 1
 
 
 def test_host_per_call_times_fsdp_over_devices_against_the_bare_executables(run_script):
   """--devices 2: flat params sharded over 2 devices, the same executables called bare, and
-  jaxgraph's Python alone; every time is reported."""
+  jaxgraph's Python alone; every time is reported. With a loaded copy per layer, the GPU's
+  default (`--per-layer-executables on`): jaxgraph's Python alone is timed with stand-ins in
+  each layer's copies (the run once failed there: the stand-ins were copied as executables),
+  and an XLA option compiles into every executable (`--compiler-option`)."""
   run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2",
-                   "--devices", "2", devices=2)
+                   "--devices", "2", "--per-layer-executables", "on",
+                   "--compiler-option", "xla_cpu_enable_fast_math=false", devices=2)
   result = json.loads(run.stdout.splitlines()[-1])
   assert result["devices"] == 2 and not result["replicated"]
+  assert result["per_layer_executables"] is True
+  assert result["compiler_options"] == {"xla_cpu_enable_fast_math": False}
   assert all(result[k] > 0 for k in ("us_per_call", "bare_us_per_call", "own_us_per_call",
                                      "cpu_us_per_call", "bare_cpu_us_per_call"))
 
