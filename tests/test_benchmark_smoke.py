@@ -180,6 +180,27 @@ def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, 
   assert shares["all (wall time / executable calls)"] == ["100.0%", "1000.0"]
 
 
+def test_native_breakdown_splits_a_multi_device_call_and_counts_the_timed_calls_only(tmp_path):
+  """The parts of an executable over several devices: the main thread's wait for the other
+  devices' launches, NCCL's set-up, the per-device launch, freeing arrays; and only the
+  samples under `profiling._sampled` count where a profile has them (not py-spy's start)."""
+  breakdown = _module("probes.native_breakdown").breakdown
+  run = "main;sample_native;_sampled (benchmarks/profiling.py:140);step;PjitFunction::Call;"
+  stacks = tmp_path / "native.txt"
+  stacks.write_text(
+      f"{run}xla::Execute;xla::LaunchOnDevice;absl::BlockingCounter::Wait;futex_wait 5\n"
+      f"{run}xla::Execute;xla::AcquireCollectiveCliques;xla::Rendezvous;pthread_cond_signal 3\n"
+      f"{run}xla::Execute;xla::LaunchOnDevice;tsl::thread::ThreadPool::Schedule 2\n"
+      f"{run}PyArray_tp_dealloc;xla::PjRtStreamExecutorBuffer::Delete 1\n"
+      "main;sample_native;time_sleep;clock_nanosleep 7\n")
+  counts, total = breakdown(str(stacks))
+  assert total == 11
+  assert counts == {"wait (other devices' launches, events)": 5,
+                    "collectives: cliques, rendezvous, NCCL": 3,
+                    "launch per device (PjRt, thread pool)": 2,
+                    "arrays: destroy (last step's buffers)": 1}
+
+
 def test_host_per_call_reports_the_tree_it_measured(run_script):
   """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names), with
   jaxgraph's default on the CPU: the layers replay one executable, no copies."""
