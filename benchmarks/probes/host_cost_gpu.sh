@@ -62,8 +62,30 @@ row gpu4_sync_collectives --devices 4 \
 row gpu4_sync_cmdbuf_collectives --devices 4 \
     --compiler-option xla_gpu_disable_async_collectives=ALLGATHER,REDUCESCATTER,ALLREDUCE \
     --compiler-option xla_gpu_enable_command_buffer=$buffers,COLLECTIVES
-row gpu4_no_cmdbuf --devices 4 --compiler-option xla_gpu_enable_command_buffer=
-row gpu1_no_cmdbuf --devices 1 --compiler-option xla_gpu_enable_command_buffer=
+# no command buffer: every region is below the size one needs ('' is no value to XLA)
+row gpu4_no_cmdbuf --devices 4 --compiler-option xla_gpu_graph_min_graph_size=1000000
+row gpu1_no_cmdbuf --devices 1 --compiler-option xla_gpu_graph_min_graph_size=1000000
+
+# What XLA made of those options: each compiled once with a dump, its non-default
+# DebugOptions and the command buffers of an all-gather's executable (grep'd from the dump).
+python3 - "$buffers" >>"$log" 2>&1 <<'EOF'
+import glob, sys, tempfile
+import jax, jax.numpy as jnp
+import jaxgraph as jg
+buffers = sys.argv[1]
+mesh = jg.fsdp.make_mesh(devices=jax.devices()[:4])
+x = jax.device_put(jnp.ones((64, 64)), jg.fsdp.batch_sharding(mesh))
+fn = jax.jit(lambda x: jnp.tanh(jg.fsdp.gather(x, mesh) @ jnp.ones((64, 64))).sum())
+for options in ({}, {"xla_gpu_enable_command_buffer": buffers + ",COLLECTIVES"},
+                {"xla_gpu_graph_min_graph_size": 1000000},
+                {"xla_gpu_disable_async_collectives": "ALLGATHER,REDUCESCATTER,ALLREDUCE"}):
+  with tempfile.TemporaryDirectory() as d:
+    fn.lower(x).compile({**options, "xla_dump_to": d})
+    debug = "".join(open(f).read() for f in glob.glob(f"{d}/*debug_options"))
+    text = "".join(open(f).read() for f in glob.glob(f"{d}/*after_optimizations.txt"))
+    print("== options", options, "\n" + debug.strip(), "\ncommand_buffer mentions:",
+          text.count("command_buffer"), "all-gather ops:", text.count("all-gather"))
+EOF
 
 python3 - "$work" "$out" <<'EOF' >"$out/summary.txt" 2>>"$log"
 import glob, json, os, subprocess, sys
