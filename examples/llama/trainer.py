@@ -44,33 +44,23 @@ def fold(total: Grads | None, microbatches: Sequence[Microbatch]) -> Grads:
   return total
 
 
-def fold_update(tx: optax.GradientTransformation, microbatches: int, total: Grads | None,
-                last: Sequence[Microbatch], opt_state: Any, params: Params
-                ) -> tuple[Params, Any, jax.Array]:
-  """The last microbatches' grads added (`fold`), then the update (`apply_update`)."""
-  return apply_update(tx, microbatches, fold(total, last), opt_state, params)
-
 
 @dataclasses.dataclass(frozen=True)
 class AccumulationPlan:
   """The calls that sum a step's grads, each as (first, n): the grads of the next `n`
   microbatches added to nothing (`first`) or to the running total. The first two
-  microbatches go into one call, the last into the update's: M - 1 calls for M
-  microbatches, the update's included (with a total made of zeros first, a sum per
-  microbatch and the update, M + 2)."""
+  microbatches go into one call: max(1, M - 1) calls for M microbatches, then the update's
+  (with a total made of zeros first, a sum per microbatch and the update: M + 2 calls).
+  The update stays an executable of its own: summed inside it, the params' last bits
+  differed after a few steps on XLA:CPU (other fusions of the AdamW arithmetic)."""
 
   microbatches: int
 
   @property
   def calls(self) -> list[tuple[bool, int]]:
-    """Every call of a step, in order; the last is the update's."""
+    """The sums of a step, in order."""
     m = self.microbatches
     return [(True, m)] if m <= 2 else [(True, 2)] + [(False, 1)] * (m - 2)
-
-  @property
-  def folds(self) -> list[tuple[bool, int]]:
-    """The kinds of call before the update's."""
-    return sorted(set(self.calls[:-1]), reverse=True)
 
 
 def apply_update(tx: optax.GradientTransformation, microbatches: int, total: Grads,
@@ -145,25 +135,23 @@ class Trainer:
     # (a params sharding that changed would be a new signature for every layer).
     grads, state = placement.shardings(trained), placement.shardings(opt_state)
     scalar = placement.replicated
-    # A step sums its grads inside executables that take them as each microbatch returns
-    # them, the last ones inside the update's (`AccumulationPlan`).
+    # A step sums its grads in executables that take them as the microbatches return them,
+    # two microbatches to the first (`AccumulationPlan`).
     self.plan = AccumulationPlan(microbatches)
     one = self._microbatch_shapes(trained, config.tie_embeddings, self.one.sharding)
-    total = jax.eval_shape(lambda m: fold(None, [m]), one)
     self._fold = placement.jit(fold, donate_argnums=(0, 1), out_shardings=(grads, scalar))
-    # The summed grads' buffers become the new params (donating the params too would leave
-    # one of the two unused).
-    update = placement.jit(functools.partial(fold_update, tx, microbatches),
-                           donate_argnums=(0, 1, 2), out_shardings=(grads, state, scalar))
+    total = jax.eval_shape(self._fold, None, [one])  # with the sums' shardings
     with warnings.catch_warnings():
       # a loss or a table share has no output of its shape to be written into
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
       # Compiled ahead like the layers, so the first step pays for no compile.
       self.folds = {(first, n): self._fold.lower(None if first else total, [one] * n).compile()
-                    for first, n in self.plan.folds}
-      first, n = self.plan.calls[-1]
-      self.apply = update.lower(None if first else total, [one] * n, opt_state,
-                                trained).compile()
+                    for first, n in sorted(set(self.plan.calls), reverse=True)}
+    # The summed grads' buffers become the new params (donating the params too would leave
+    # one of the two unused).
+    self.apply = placement.jit(functools.partial(apply_update, tx, microbatches),
+                               donate_argnums=(0, 1), out_shardings=(grads, state, scalar)
+                               ).lower(total, opt_state, trained).compile()
 
   @staticmethod
   def _microbatch_shapes(trained: Params, tied: bool, scalar: Any) -> Microbatch:
@@ -176,7 +164,7 @@ class Trainer:
 
   def bookkeeping(self) -> list[tuple[str, Any, int]]:
     """(name, compiled, calls a step) of the step's executables other than the layers'."""
-    calls = collections.Counter(self.plan.calls[:-1])
+    calls = collections.Counter(self.plan.calls)
     return ([(f"accumulate {n}" + (" (first)" if first else ""), compiled, calls[first, n])
              for (first, n), compiled in self.folds.items()] + [("update", self.apply, 1)])
 
@@ -225,10 +213,10 @@ class Trainer:
     calls, total, pending = self.plan.calls, None, []
     for microbatch in self._microbatches(params, batches, positions):
       pending.append(microbatch)
-      first, n = calls[0]
-      if len(pending) == n and len(calls) > 1:  # the last call is the update's
-        total, pending, calls = self.folds[first, n](total, pending), [], calls[1:]
-    trained, opt_state, loss = self.apply(total, pending, opt_state, trained)
+      (first, n), *rest = calls
+      if len(pending) == n:
+        total, pending, calls = self.folds[first, n](total, pending), [], rest
+    trained, opt_state, loss = self.apply(total, opt_state, trained)
     params = trained if frozen is None else jg.combine(trained, frozen)
     return self.placement.wait((params, opt_state, loss))
 
