@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -105,7 +106,7 @@ def sample_native(advance: Callable[[], Any], seconds: float, path: str
                   ) -> tuple[float, int] | None:
   """Calls `advance()` for `seconds` under py-spy's sampling profiler with native frames (the
   runtime's C++ under `Compiled.__call__`), the collapsed stacks written to `path`
-  (`probes/native_breakdown.py` reads them).
+  (`probes/native_breakdown.py` reads them, the samples of `_sampled` only).
 
   Returns the seconds and the calls that ran, the device drained after the last one; None,
   saying so, where py-spy is not on the PATH.
@@ -114,15 +115,24 @@ def sample_native(advance: Callable[[], Any], seconds: float, path: str
   if spy is None:
     print("py-spy not found: no native sampling profile", flush=True)
     return None
-  sampler = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--native", "--rate",
-                              "1000", "--format", "raw", "--duration", str(int(seconds)),
-                              "--output", path], stdout=subprocess.DEVNULL)
+  # --idle: the main thread's waits are sampled too, so the samples add up to the wall time
+  sampler = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--native", "--idle",
+                              "--rate", "1000", "--format", "raw", "--duration",
+                              str(int(seconds) + 30), "--output", path],
+                             stdout=subprocess.DEVNULL)
   time.sleep(1.0)  # py-spy attaches
+  ran = _sampled(advance, seconds, sampler)
+  sampler.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+  sampler.wait()
+  return ran
+
+
+def _sampled(advance: Callable[[], Any], seconds: float, sampler: subprocess.Popen
+             ) -> tuple[float, int]:
+  """The calls `sample_native` times, in a frame of their own (`native_breakdown.SAMPLED`)."""
   start, calls, out = time.perf_counter(), 0, None
   while time.perf_counter() < start + seconds and sampler.poll() is None:
     out = advance()
     calls += 1
   jax.block_until_ready(out)
-  elapsed = time.perf_counter() - start
-  sampler.wait()
-  return elapsed, calls
+  return time.perf_counter() - start, calls

@@ -9,10 +9,11 @@ distinct signature once), warm up. Capture and warmup run under `hooks.capturing
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import numbers
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -435,6 +436,38 @@ def _seed(rng: Any) -> jax.Array | None:
   return rng
 
 
+def _check_compiler_options(value: Any) -> tuple[tuple[str, Any], ...]:
+  """The options as sorted (name, value) pairs, each checked by XLA now: a name XLA does not
+  know, or a value it cannot parse for that option, raises before anything is traced."""
+  if value is None:
+    return ()
+  if not isinstance(value, Mapping) or not all(
+      isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in value.items()):
+    raise TypeError(
+        "compiler_options takes a dict of XLA option names (as in XLA_FLAGS, without the "
+        "leading --) to bool, int, float or str values, e.g. compiler_options="
+        f"{{'xla_gpu_graph_min_graph_size': 1}}, or None; got {value!r}.")
+  options = tuple(sorted(value.items()))
+  _check_options_with_xla(options, jax.default_backend())
+  return options
+
+
+@functools.lru_cache(maxsize=64)
+def _check_options_with_xla(options: tuple[tuple[str, Any], ...], backend: str) -> None:
+  """Compiles a trivial function with `options` (XLA parses them at compile time only)."""
+  del backend  # part of the cache key: the options are checked by that backend's compiler
+  lowered = jax.jit(lambda x: x + 1).lower(np.float32(0))
+  for name, option in options:
+    try:
+      lowered.compile({name: option})
+    except jax.errors.JaxRuntimeError as e:
+      raise ValueError(
+          f"compiler_options: XLA refuses {name}={option!r} ({e}). Pass a name of XLA's "
+          "DebugOptions (the flags XLA_FLAGS takes, without the leading --) with a value of "
+          "its type: a bool for a flag, a comma-separated str for a list (e.g. "
+          "'FUSION,CUBLAS'), an enum value's name as a str.") from None
+
+
 def _check_per_layer_executables(value: Any) -> bool:
   """None means: on where the default backend is one of `PER_LAYER_PLATFORMS`."""
   if value is None:
@@ -510,7 +543,7 @@ def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
                   delay_wgrad: bool, wgrad_argnums: Any, max_captures: Any,
                   on_new_signature: Any, remat_policy: Any, inference_only: Any,
                   donate_argnums: Any, per_layer_executables: Any, grad_mask: Any,
-                  offload: offload_lib.Policy) -> graphed_lib.Config:
+                  offload: offload_lib.Policy, compiler_options: Any) -> graphed_lib.Config:
   """Step 1b: the settings every callable shares, checked against the sample_args."""
   _check_int("max_captures", max_captures, minimum=1)
   _check_choice("on_new_signature", on_new_signature, _ON_NEW_SIGNATURE)
@@ -532,7 +565,8 @@ def _check_config(layers: _Layers, order: Sequence[float] | None, *, rng: bool,
                             inference_only=inference_only, remat_policy=remat_policy,
                             donate_argnums=donated,
                             per_layer_executables=_check_per_layer_executables(
-                                per_layer_executables), offload=offload, grad_mask=grad_mask)
+                                per_layer_executables), offload=offload, grad_mask=grad_mask,
+                            compiler_options=_check_compiler_options(compiler_options))
 
 
 def _check_warmup(num_warmup_iters: Any, pre_warmup_hook: Any, post_warmup_hook: Any) -> int:
@@ -606,6 +640,7 @@ def make_graphed(
     inference_only: bool = False,
     donate_argnums: Sequence[int] = (),
     per_layer_executables: bool | None = None,
+    compiler_options: Mapping[str, bool | int | float | str] | None = None,
 ) -> graphed_lib.GraphedCallable | tuple[graphed_lib.GraphedCallable, ...]:
   """Captures per-layer functions into ahead-of-time compiled forward/backward executables.
 
@@ -716,6 +751,14 @@ def make_graphed(
       and 28% less step time, docs/performance.md). None (the default): on where the
       default backend is a GPU. An executable spanning several devices (FSDP) is copied
       on the same devices, in its device order.
+    compiler_options: XLA options for these callables' executables only (every forward,
+      backward and wgrad, fused segments' too), as `jax.jit(..., compiler_options=...)`:
+      XLA's DebugOptions by name (the flags `XLA_FLAGS` takes, without the leading `--`)
+      to a bool, int, float or str (a list as a comma-separated str, e.g.
+      `{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS"}`); they apply over the
+      process's `XLA_FLAGS`, which stay as they are for everything else. Executables
+      compiled with other options (another `make_graphed` call) are never shared. Each
+      option is checked by XLA when `make_graphed` is called (one trivial compile).
 
   Returns:
     One `GraphedCallable` for a single callable, else a tuple of them.
@@ -731,7 +774,7 @@ def make_graphed(
       `linen_layer`), a function that needs `key=` without `rng=True` or one without a
       `key` parameter with it, `rng` neither a bool nor a typed key, `order`
       entries or `num_layers_per_chunk` that are not ints, `offload_names` not a sequence
-      of strings.
+      of strings, `compiler_options` not a dict of str to bool, int, float or str.
       Errors raised while tracing or compiling a function propagate, with a note naming
       the callable and its `sample_args` entry.
     ValueError: for an argument of the right type with a bad value: no callables, a number
@@ -739,7 +782,8 @@ def make_graphed(
       count below its minimum, an unknown `on_new_signature`, an invalid `order` or
       `num_layers_per_chunk`, an argnum out of range (or repeated in `donate_argnums`),
       `inference_only=True` with `delay_wgrad`, `offload_residuals`, `order`,
-      `remat_policy` or `grad_mask`, a `grad_mask` whose structure is not a prefix of
+      `remat_policy` or `grad_mask`, a `compiler_options` name XLA does not know or a
+      value it cannot parse for that option, a `grad_mask` whose structure is not a prefix of
       the positional arguments, `donate_argnums` without `inference_only=True`, an unknown
       `offload_mode`, `offload_min_bytes` or `offload_names` without an offloaded layer
       (or empty names), and `offload_residuals` on a backend without pinned host memory.
@@ -756,6 +800,7 @@ def make_graphed(
                          on_new_signature=on_new_signature, remat_policy=remat_policy,
                          inference_only=inference_only, donate_argnums=donate_argnums,
                          per_layer_executables=per_layer_executables, grad_mask=grad_mask,
+                         compiler_options=compiler_options,
                          offload=_check_offload(any(layers.offload), offload_mode,
                                                 offload_min_bytes, offload_names))
   built = _build_callables(layers, config, seed)

@@ -150,6 +150,8 @@ class Executables:
   donated: tuple[int, ...] = ()     # argument leaves the outputs-only forwards donate
   # traced on the Explicit twin of the arguments' mesh (`explicit.Twin`), or None
   twin: explicit_lib.Twin | None = None
+  # XLA options every executable of this entry is compiled with (also those compiled later)
+  compiler_options: tuple[tuple[str, Any], ...] = ()
 
 
 def _is_inexact(dtype: Any) -> bool:
@@ -158,6 +160,7 @@ def _is_inexact(dtype: Any) -> bool:
 
 @dataclasses.dataclass
 class _Timer:
+  options: tuple[tuple[str, Any], ...] = ()  # XLA compile options (make_graphed's)
   compiles: int = 0
   seconds: float = 0.0
 
@@ -167,7 +170,8 @@ class _Timer:
       # Donation (of residuals; of inference inputs, `donate_argnums`) is best effort: XLA
       # may find no output to reuse a buffer for, and that buffer then stays alive.
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      compiled = traced.lower().compile()
+      # None without options: jax's own executable cache applies only then
+      compiled = traced.lower().compile(dict(self.options) if self.options else None)
     self.seconds += time.perf_counter() - start
     self.compiles += 1
     return compiled
@@ -463,7 +467,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
             offload: offload_lib.Policy | None, name: str, warned_weights: dict[int, Any],
             remat_policy: Callable[..., bool] | None = None, loose_names: bool = False,
             warn_constant_keys: bool = True,
-            twin: explicit_lib.Twin | None = None) -> Executables:
+            twin: explicit_lib.Twin | None = None,
+            compiler_options: tuple[tuple[str, Any], ...] = ()) -> Executables:
   """Traces `fn` once and compiles every executable a GraphedCallable replays for `signature`.
 
   Args:
@@ -489,8 +494,9 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       such a key is there at every signature, and its layer's own capture warned).
     twin: trace on the Explicit twin of the arguments' mesh (`explicit.Twin`): every output
       typed on the twin, reduced arguments with unreduced gradients.
+    compiler_options: XLA options (name, value) every executable is compiled with.
   """
-  timer = _Timer()
+  timer = _Timer(options=compiler_options)
   start = time.perf_counter()
   closed, layout = trace_forward(fn, signature, n_keys=n_keys, diff=diff, name=name,
                                  remat_policy=remat_policy, loose_names=loose_names, twin=twin)
@@ -533,12 +539,14 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
                      backward=compiled_backward, closed_jaxpr=closed, moved=moved,
                      compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds,
                      residual_bytes=sum(math.prod(s.shape) * s.dtype.itemsize
-                                        for s in kept_specs), twin=twin)
+                                        for s in kept_specs),
+                     twin=twin, compiler_options=compiler_options)
 
 
 def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
                       name: str, warned_weights: dict[int, Any],
-                      donated: Sequence[int] = ()) -> Executables:
+                      donated: Sequence[int] = (),
+                      compiler_options: tuple[tuple[str, Any], ...] = ()) -> Executables:
   """Traces `fn` once, forward only, and compiles the one executable a plain call replays.
 
   That is the outputs-only forward: the stream forward with keys (`n_keys > 0`; it still
@@ -546,7 +554,7 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   explicit-key forward compiles on first use (`forward_executable(..., residuals=False)`).
   Both donate the argument leaves `donated` (as `jax.jit(..., donate_argnums=...)`); a
   buffer XLA finds no output to reuse for is not donated, without a warning.
-  `warned_weights` as in `capture`.
+  `warned_weights` and `compiler_options` as in `capture`.
   """
   start = time.perf_counter()
   closed, layout = trace_inference(fn, signature, n_keys=n_keys, name=name)
@@ -555,7 +563,8 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   _warn_constant_weights(closed, name, warned_weights)
   entry = Executables(signature=signature, layout=layout, forward={}, backward={},
                       closed_jaxpr=closed, moved=(), compiles=0, compile_seconds=0.0,
-                      residual_bytes=0, donated=tuple(donated))
+                      residual_bytes=0, donated=tuple(donated),
+                      compiler_options=compiler_options)
   _, compile_seconds = forward_executable(entry, "stream" if n_keys else "explicit",
                                           residuals=False)
   entry.compiles, entry.compile_seconds = 1, trace_seconds + compile_seconds
@@ -700,7 +709,7 @@ def forward_executable(entry: Executables, kind: ForwardKind, *,
   compiled = entry.forward.get((kind, residuals))
   if compiled is not None:
     return compiled, 0.0
-  timer = _Timer()
+  timer = _Timer(options=entry.compiler_options)
   donate = () if residuals else _donated_positions(entry.donated, entry.layout, kind)
   compiled = _compile_forward(timer, entry.closed_jaxpr, entry.layout, entry.signature, kind,
                               residuals=residuals, moved=entry.moved if residuals else (),

@@ -77,6 +77,8 @@ class Config:
   remat_policy: Callable[..., bool] | None = None
   donate_argnums: tuple[int, ...] = ()  # inference only: positional args the forward donates
   per_layer_executables: bool = False  # each callable replays its own loaded copy
+  # XLA options of every executable these callables compile (sorted (name, value) pairs)
+  compiler_options: tuple[tuple[str, Any], ...] = ()
   offload: offload_lib.Policy = offload_lib.Policy()  # of the callables offloaded
   # which argument leaves get gradients: a prefix of the arguments, a function of them, or
   # None for every float leaf (`pullback.mask_flags`)
@@ -378,7 +380,8 @@ class GraphedCallable:
                 self.fn, signature, n_keys=self._n_keys, name=self.name,
                 donated=pullback_lib.argument_leaves(signature.treedef,
                                                     config.donate_argnums),
-                warned_weights=config.warned_weights)
+                warned_weights=config.warned_weights,
+                compiler_options=config.compiler_options)
           else:
             diff = self._differentiated(signature)
             entry = capture_lib.capture(
@@ -390,7 +393,8 @@ class GraphedCallable:
                 remat_policy=self._remat_policy, name=self.name,
                 loose_names=config.offload.names is not None,
                 warn_constant_keys=self._warns_of_constant_keys,
-                warned_weights=config.warned_weights, twin=self._twin(signature))
+                warned_weights=config.warned_weights, twin=self._twin(signature),
+                compiler_options=config.compiler_options)
         except Exception as e:
           e.add_note(f"while capturing {self.name} for a new input signature: "
                      f"{sig_lib.describe(signature)}")

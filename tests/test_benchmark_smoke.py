@@ -189,24 +189,53 @@ def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, 
   assert shares["all (wall time / executable calls)"] == ["100.0%", "1000.0"]
 
 
+def test_native_breakdown_splits_a_multi_device_call_and_counts_the_timed_calls_only(tmp_path):
+  """The parts of an executable over several devices: the main thread's wait for the other
+  devices' launches, NCCL's set-up, the per-device launch, freeing arrays; and only the
+  samples under `profiling._sampled` count where a profile has them (not py-spy's start)."""
+  breakdown = _module("probes.native_breakdown").breakdown
+  run = "main;sample_native;_sampled (benchmarks/profiling.py:140);step;PjitFunction::Call;"
+  stacks = tmp_path / "native.txt"
+  stacks.write_text(
+      f"{run}xla::Execute;xla::LaunchOnDevice;absl::BlockingCounter::Wait;futex_wait 5\n"
+      f"{run}xla::Execute;xla::AcquireCollectiveCliques;xla::Rendezvous;pthread_cond_signal 3\n"
+      f"{run}xla::Execute;xla::LaunchOnDevice;tsl::thread::ThreadPool::Schedule 2\n"
+      f"{run}PyArray_tp_dealloc;xla::PjRtStreamExecutorBuffer::Delete 1\n"
+      "main;sample_native;time_sleep;clock_nanosleep 7\n")
+  counts, total = breakdown(str(stacks))
+  assert total == 11
+  assert counts == {"wait (other devices' launches, events)": 5,
+                    "collectives: cliques, rendezvous, NCCL": 3,
+                    "launch per device (PjRt, thread pool)": 2,
+                    "arrays: destroy (last step's buffers)": 1}
+
+
 @pytest.mark.cpu_only
 def test_host_per_call_reports_the_tree_it_measured(run_script):
-  """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names)."""
+  """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names), with
+  jaxgraph's default on the CPU: the layers replay one executable, no copies."""
   run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2")
   result = json.loads(run.stdout.splitlines()[-1])
   assert os.path.realpath(result["jaxgraph"]) == os.path.realpath(
       os.path.join(ROOT, "jaxgraph", "__init__.py"))
   assert result["us_per_call"] > 0 and result["backend"] == "cpu"
+  assert result["per_layer_executables"] is False and result["per_layer_copies"] == 1
 
 
 @pytest.mark.cpu_only
 def test_host_per_call_times_fsdp_over_devices_against_the_bare_executables(run_script):
   """--devices 2: flat params sharded over 2 devices, the same executables called bare, and
-  jaxgraph's Python alone; every time is reported."""
+  jaxgraph's Python alone; every time is reported. With a loaded copy per layer, the GPU's
+  default (`--per-layer-executables on`): jaxgraph's Python alone is timed with stand-ins in
+  each layer's copies (the run once failed there: the stand-ins were copied as executables),
+  and an XLA option compiles into every executable (`--compiler-option`)."""
   run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2",
-                   "--devices", "2", devices=2)
+                   "--devices", "2", "--per-layer-executables", "on",
+                   "--compiler-option", "xla_cpu_enable_fast_math=false", devices=2)
   result = json.loads(run.stdout.splitlines()[-1])
   assert result["devices"] == 2 and not result["replicated"]
+  assert result["per_layer_executables"] is True
+  assert result["compiler_options"] == {"xla_cpu_enable_fast_math": False}
   assert all(result[k] > 0 for k in ("us_per_call", "bare_us_per_call", "own_us_per_call",
                                      "cpu_us_per_call", "bare_cpu_us_per_call"))
 

@@ -254,3 +254,29 @@ def test_the_warning_is_silenced_by_its_category():
     warnings.filterwarnings("ignore", category=jg.ConstantWeightWarning)
     layer = jg.make_graphed(_closes_over_w, sample_args=(X,), num_warmup_iters=0)
   assert trees_equal(layer(X), jax.jit(_closes_over_w)(X))
+
+
+
+def test_compiler_options_reach_every_executable_of_the_callables(tmp_path):
+  """make_graphed(..., compiler_options=...): XLA dumps (`xla_dump_to`, a per-executable
+  option) the forward and backward compiled at capture and the outputs-only forward
+  compiled on the first plain call; callables of another make_graphed call, without the
+  option, dump nothing and replay executables of their own."""
+  def dumped():
+    return [f.name for f in tmp_path.iterdir() if f.name.endswith(".before_optimizations.txt")]
+
+  fn = lambda p, x: jnp.tanh(x @ p)  # noqa: E731
+  p, x = jnp.full((4, 4), 0.5), jnp.ones((2, 4))
+  g = jg.make_graphed(fn, sample_args=(p, x), num_warmup_iters=0,
+                      compiler_options={"xla_dump_to": str(tmp_path)})
+  captured = dumped()
+  assert any(".jit_backward." in name for name in captured)
+  g(p, x)  # the outputs-only forward, compiled now from the entry
+  assert len(dumped()) == len(captured) + 1
+  plain = jg.make_graphed(fn, sample_args=(p, x), num_warmup_iters=0)
+  before = dumped()
+  np.testing.assert_array_equal(plain(p, x), g(p, x))
+  assert dumped() == before
+  (entry,), (plain_entry,) = g._entries.values(), plain._entries.values()
+  assert entry is not plain_entry and plain_entry.compiler_options == ()
+  assert entry.compiler_options == (("xla_dump_to", str(tmp_path)),)

@@ -10,6 +10,7 @@ ends in one message that says how to continue; the gpu-1b preset has ~1B params 
 from __future__ import annotations
 
 import errno
+import functools
 import importlib.util
 import json
 import logging
@@ -24,9 +25,11 @@ import tempfile
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxgraph as jg
 import llama_golden
 from processes import free_port, run_processes
 
@@ -581,6 +584,48 @@ def example(request: pytest.FixtureRequest) -> Any:
   the Llama example's cli.py); `sys.modules["common"]` is the examples/common.py it imported."""
   module = request.getfixturevalue(request.param)
   return module.cli if request.param == "llama" else module
+
+
+@pytest.mark.parametrize("microbatches, tied", [(1, False), (2, True), (4, True)],
+                         ids=["1-untied", "2-tied", "4-tied"])
+def test_llama_step_sums_its_grads_in_fewer_calls_bitwise(llama, microbatches, tied):
+  """The graphed step sums its grads in the executables that take them, two microbatches
+  to the first: max(1, M - 1) calls a step before the update's (was M + 1: zeros and one
+  sum per microbatch), and two steps' params, optimizer state and losses are bitwise those
+  of zeros, `accumulate` per microbatch and `apply_update`, as the whole step sums them.
+  The microbatches' grads are given."""
+  trainer_lib = llama.trainer
+  keys = iter(jax.random.split(jax.random.key(0), 64))
+  normal = lambda shape: jax.random.normal(next(keys), shape)  # noqa: E731
+  # as the example's --flat params: one buffer per group, sizes as the tiny preset's
+  params = [jg.flat.ravel(p, group=trainer_lib.flat_group) for p in (
+      {"embedding": normal((62, 32))}, {"kernel": normal((32, 288)), "scale": normal((64,))},
+      {"kernel": normal((288, 32)), "scale": normal((32,))})]
+  given = [([jax.tree.map(lambda p: normal(p.shape), part) for part in params],
+            jax.tree.map(lambda p: normal(p.shape), params[0]) if tied else None,
+            normal(()).astype(np.float32)) for _ in range(2 * microbatches)]
+  tx = trainer_lib.optimizer(llama.presets.PRESETS["tiny"], 10)  # clipped AdamW, masked
+  config = type("Config", (), {"tie_embeddings": tied})()
+  trainer = trainer_lib.Trainer([], config, tx, microbatches, params, tx.init(params))
+  copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+  replayed = iter(copy(given))  # the step donates them
+  trainer.microbatch = lambda *_: (lambda g: (g[2], g[0], g[1]))(next(replayed))
+  calls = []
+  for key, compiled in trainer.folds.items():
+    trainer.folds[key] = lambda *a, c=compiled, k=key: (calls.append(k), c(*a))[1]
+  state = tx.init(params)
+  got, expected = (copy(params), copy(state)), (params, state)
+  accumulate = jax.jit(trainer_lib.accumulate)
+  update = jax.jit(functools.partial(trainer_lib.apply_update, tx, microbatches))
+  for step in range(2):
+    got = trainer.step(*got[:2], [(None, None)] * microbatches, None)
+    total = (jax.tree.map(np.zeros_like, params), np.zeros((), np.float32))
+    for grads, table, loss in given[step * microbatches:(step + 1) * microbatches]:
+      total = accumulate(total, grads, table, loss)
+    expected = update(total, expected[1], expected[0])
+    assert all(np.array_equal(a, b)
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)))
+  assert len(calls) == 2 * max(1, microbatches - 1)
 
 
 def test_llama_kv_cache_decode_matches_the_full_forward(llama):

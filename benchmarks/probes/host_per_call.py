@@ -28,6 +28,20 @@ of the mesh: executables over N devices without collectives (on a GPU this separ
 runtime's cost per device from that of the collectives). `cpu` is the main thread's CPU
 time per call (`time.thread_time`): host work without the waits.
 
+Where the executables come from is jaxgraph's default (`--per-layer-executables auto`: a
+loaded copy per layer on a GPU, `capture.loaded_copy`; `on` forces the copies, as the CPU
+smoke test does); `bare` calls the same executables each layer replays. `--compiler-option
+NAME=VALUE` (repeatable) compiles every executable with that XLA option
+(`make_graphed(..., compiler_options=...)`; `true`/`false` are bools, numbers numbers,
+anything else a string, e.g. `xla_gpu_enable_command_buffer=FUSION,CUBLAS,COLLECTIVES`).
+One process per device: the same command in each process with `--coordinator HOST:PORT
+--num-processes N --process-id I` (`jax.distributed`), `--devices N` over every process's
+devices; each process reports its own times. `--profile PREFIX` then samples the jaxgraph
+step and the bare step `--profile-seconds` each under py-spy `--native`
+(`PREFIX.jaxgraph.txt`, `PREFIX.bare.txt`, each with its `.json` of steps and calls;
+`probes/native_breakdown.py` splits them by part of the runtime). `--json PATH` writes the
+result line to PATH too. benchmarks/probes/host_cost_gpu.sh runs the GPU rows.
+
 Measured (jaxgraph at a690231; 2 shared vCPUs, XLA:CPU with 8 virtual devices, jax 0.10.2;
 `--rounds 10 --steps 10`, two runs each, µs per call):
 
@@ -72,7 +86,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxgraph as jg
-from benchmarks import harness
+from benchmarks import harness, profiling
+
+FORWARD = ("explicit", True)  # the forward a `vjp` without keys replays
 
 
 def layer(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -81,16 +97,25 @@ def layer(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
   return x
 
 
-def bare_step(entry: Any, params: list[Any], x: jax.Array, ct: jax.Array
-              ) -> Callable[[], jax.Array]:
-  """A step of `entry`'s executables called directly: forwards, then backwards in reverse."""
+def layer_executables(layers: list[Any], entry: Any) -> list[tuple[Any, Any]]:
+  """(forward, backward) each layer replays: `entry`'s own, or with per-layer executables
+  the layer's loaded copy of them (made in warmup)."""
+  forward, backward = entry.forward[FORWARD], entry.backward["full"][0]
+  return [(graphed._local(entry, forward), graphed._local(entry, backward))
+          for graphed in layers]
+
+
+def bare_step(layers: list[Any], entry: Any, params: list[Any], x: jax.Array,
+              ct: jax.Array) -> Callable[[], jax.Array]:
+  """A step of the executables the layers replay, called directly: forwards, then backwards
+  in reverse."""
   layout = entry.layout
-  forward, backward = entry.forward["explicit", True], entry.backward["full"][0]
+  executables = layer_executables(layers, entry)
   leaves = [jax.tree.leaves(p) for p in params]
 
   def step() -> jax.Array:
     h, saved = x, []
-    for p in leaves:
+    for p, (forward, _) in zip(leaves, executables):
       inputs = [*p, h]
       values = forward(*inputs)
       outs = values[:layout.n_out]
@@ -98,7 +123,7 @@ def bare_step(entry: Any, params: list[Any], x: jax.Array, ct: jax.Array
                     [outs[i] for i in layout.needed_outputs], values[layout.n_out:]))
       h = outs[0]
     g = ct
-    for ins, outs, kept in reversed(saved):
+    for (ins, outs, kept), (_, backward) in zip(reversed(saved), reversed(executables)):
       g = backward(*ins, *outs, *kept, g)[-1]  # x is the last differentiated leaf
     return g
 
@@ -107,20 +132,20 @@ def bare_step(entry: Any, params: list[Any], x: jax.Array, ct: jax.Array
 
 def replace_executables(layers: list[Any], entry: Any, params: Any, x: jax.Array,
                         ct: jax.Array) -> None:
-  """Replaces the executables of `entry` by functions that return outputs recorded from one
-  real call each: a jaxgraph step then costs its own Python alone (and `entry` is spoiled,
-  so this comes last)."""
+  """Has every layer replay, instead of its executables, functions that return outputs
+  recorded from one real call each: a jaxgraph step then costs its own Python alone (the
+  layers are spoiled, so this comes last). What a layer replays for `entry`'s executable
+  is looked up in its `_replayed` (its loaded copy, or the executable itself): the stand-ins
+  go there, and `entry` keeps its executables."""
   layout = entry.layout
-  key = ("explicit", True)
-  forward, (backward, select) = entry.forward[key], entry.backward["full"]
+  forward, backward = entry.forward[FORWARD], entry.backward["full"][0]
   inputs = [*jax.tree.leaves(params), x]
   values = list(forward(*inputs))
   grads = list(backward(*[inputs[i] for i in layout.needed_inputs],
                         *[values[i] for i in layout.needed_outputs], *values[layout.n_out:], ct))
-  entry.forward[key] = lambda *_: list(values)
-  entry.backward["full"] = (lambda *_: list(grads), select)
   for graphed in layers:
-    graphed._replayed.clear()  # the executables each callable resolved before
+    graphed._replayed[forward] = lambda *_: list(values)
+    graphed._replayed[backward] = lambda *_: list(grads)
 
 
 def per_call(step: Callable[[], jax.Array], calls: int, rounds: int, steps: int, *,
@@ -142,6 +167,32 @@ def per_call(step: Callable[[], jax.Array], calls: int, rounds: int, steps: int,
   return harness.summary(samples) | {"cpu": statistics.median(cpu)}
 
 
+def option(text: str) -> tuple[str, Any]:
+  """`NAME=VALUE` of `--compiler-option`: `true`/`false` as bools, numbers as numbers."""
+  name, sep, value = text.partition("=")
+  if not sep or not name:
+    raise argparse.ArgumentTypeError(f"--compiler-option takes NAME=VALUE, got {text!r}")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  for kind in (int, float):
+    try:
+      return name, kind(value)
+    except ValueError:
+      pass
+  return name, value
+
+
+def profile(step: Callable[[], jax.Array], seconds: float, path: str, calls_per_step: int
+            ) -> None:
+  """`step` for `seconds` under py-spy --native (`profiling.sample_native`) into `path`,
+  the steps and executable calls that ran into its `.json` (`native_breakdown.py`)."""
+  ran = profiling.sample_native(step, seconds, path)
+  if ran is not None:
+    elapsed, steps = ran
+    with open(path.removesuffix(".txt") + ".json", "w") as f:
+      json.dump({"seconds": elapsed, "steps": steps, "calls": steps * calls_per_step}, f)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--layers", type=int, default=4)
@@ -153,9 +204,28 @@ def main() -> None:
   parser.add_argument("--replicated", action="store_true",
                       help="with --devices N > 1: params and batch replicated over the mesh "
                            "instead, so every device runs the whole layer, no collective")
+  parser.add_argument("--per-layer-executables", choices=("auto", "on", "off"),
+                      default="auto", help="make_graphed's per_layer_executables: None, "
+                                           "True, False")
+  parser.add_argument("--compiler-option", type=option, action="append", default=[],
+                      metavar="NAME=VALUE", help="an XLA option of every executable "
+                                                 "(make_graphed's compiler_options); repeatable")
+  parser.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="jax.distributed: one process of --num-processes")
+  parser.add_argument("--num-processes", type=int)
+  parser.add_argument("--process-id", type=int)
+  parser.add_argument("--profile", metavar="PREFIX",
+                      help="py-spy --native samples of the jaxgraph and the bare step: "
+                           "PREFIX.jaxgraph.txt, PREFIX.bare.txt (and their .json)")
+  parser.add_argument("--profile-seconds", type=float, default=5.0)
+  parser.add_argument("--json", metavar="PATH", help="also write the result line here")
   args = parser.parse_args()
   if args.replicated and args.devices < 2:
     parser.error("--replicated needs --devices N with N > 1")
+  if args.coordinator is not None:
+    if args.num_processes is None or args.process_id is None or args.devices < 2:
+      parser.error("--coordinator needs --num-processes, --process-id and --devices N > 1")
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   params = ({f"w{i}": jnp.full((16, 16), 0.01) for i in range(4)}
             | {f"b{i}": jnp.zeros(16) for i in range(4)})
   x, ct = jnp.ones((8, 16)), jnp.ones((8, 16))
@@ -166,12 +236,15 @@ def main() -> None:
   if args.devices > 1:
     mesh = jg.fsdp.make_mesh(devices=jax.devices()[:args.devices])
     if args.replicated:
-      stack, x, ct = jax.device_put((stack, x, ct), NamedSharding(mesh, PartitionSpec()))
+      stack, x, ct = jax.tree.map(
+          lambda v: jg.fsdp.place(v, NamedSharding(mesh, PartitionSpec())), (stack, x, ct))
     else:
       stack = jg.fsdp.shard(stack, mesh)
-      x, ct = (jax.device_put(v, jg.fsdp.batch_sharding(mesh)) for v in (x, ct))
+      x, ct = (jg.fsdp.place(v, jg.fsdp.batch_sharding(mesh)) for v in (x, ct))
+  per_layer = {"auto": None, "on": True, "off": False}[args.per_layer_executables]
   layers = jg.make_graphed([layer] * args.layers, sample_args=[(p, x) for p in stack],
-                           num_warmup_iters=1)
+                           num_warmup_iters=1, per_layer_executables=per_layer,
+                           compiler_options=dict(args.compiler_option) or None)
 
   def step() -> jax.Array:
     h, pullbacks = x, []
@@ -184,19 +257,28 @@ def main() -> None:
     return g
 
   entry = next(iter(layers[0]._entries.values()))
+  bare = bare_step(layers, entry, stack, x, ct)
+  copies = len({id(f) for f, _ in layer_executables(layers, entry)})
   calls, rounds = 2 * args.layers * args.steps, args.rounds // 2 or 1
   # With collectives, XLA:CPU hangs when executions pile up on machines of few cores
   # (probes/cpu_collective_deadlock.py): there every step waits for its result.
   wait = args.devices > 1 and not args.replicated and jax.default_backend() == "cpu"
   found = harness.interleaved(2, {
       "jaxgraph": lambda: per_call(step, calls, rounds, args.steps, wait=wait),
-      "bare": lambda: per_call(bare_step(entry, stack, x, ct), calls, rounds, args.steps,
-                               wait=wait)})
+      "bare": lambda: per_call(bare, calls, rounds, args.steps, wait=wait)})
   best = {name: min(runs, key=lambda r: r["median"]) for name, runs in found.items()}
+  if args.profile:
+    for name, run in (("jaxgraph", step), ("bare", bare)):
+      profile(run, args.profile_seconds, f"{args.profile}.{name}.txt", 2 * args.layers)
   replace_executables(layers, entry, stack[0], x, ct)
   own = per_call(step, calls, args.rounds, args.steps, wait=False)
-  result = {"jaxgraph": jg.__file__, "backend": jax.default_backend(), "devices": args.devices,
-            "replicated": args.replicated, "us_per_call": best["jaxgraph"]["median"],
+  result = {"jaxgraph": jg.__file__, "backend": jax.default_backend(),
+            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "devices": args.devices, "replicated": args.replicated,
+            "processes": jax.process_count(), "process": jax.process_index(),
+            "per_layer_executables": layers[0]._config.per_layer_executables,
+            "per_layer_copies": copies, "compiler_options": dict(args.compiler_option),
+            "us_per_call": best["jaxgraph"]["median"],
             "bare_us_per_call": best["bare"]["median"], "own_us_per_call": own["median"],
             "cpu_us_per_call": best["jaxgraph"]["cpu"], "bare_cpu_us_per_call": best["bare"]["cpu"],
             "spread_pct": max(r["spread_pct"] for r in found["jaxgraph"])}
@@ -206,7 +288,10 @@ def main() -> None:
         f"{'bare cpu':>8} {'spread':>7}")
   print(f"{result['jaxgraph']:<40} {args.devices:>7} "
         + " ".join(f"{result[c]:>8.1f}" for c in columns) + f" {result['spread_pct']:>6.0f}%")
-  print(json.dumps(result))
+  print(json.dumps(result), flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f)
 
 
 if __name__ == "__main__":

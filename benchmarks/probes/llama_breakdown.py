@@ -320,7 +320,8 @@ def native_profile(s: Setup, trainer: Trainer, seconds: float, path: pathlib.Pat
   if ran is None:
     return
   seconds_run, steps = ran
-  calls_per_step = trainer.microbatches * 2 * (len(trainer.layers)) + trainer.microbatches + 2
+  calls_per_step = (trainer.microbatches * 2 * len(trainer.layers) + len(trainer.plan.calls)
+                    + 1)  # the sums of the grads, the update
   path.with_suffix(".json").write_text(json.dumps(
       {"seconds": seconds_run, "steps": steps, "blocks": len(trainer.layers) - 2,
        "calls": steps * calls_per_step}))

@@ -102,8 +102,8 @@ def fsdp_report(placement: Placement, trainer: Stepper, params: Params, opt_stat
     arrays["grads"] = placements(grads)
     for name, compiled in named_executables(trainer.layers):
       add(name, compiled, microbatches)
-    add("accumulate", trainer.accumulate, microbatches)
-    add("update", trainer.apply, 1)
+    for name, compiled, calls in trainer.bookkeeping():
+      add(name, compiled, calls)
   else:
     add("whole step", trainer.compiled, 1)
   params_bytes = device_bytes(params)

@@ -4,8 +4,11 @@ replayed, the grads accumulated, one AdamW update; the optimizer, and the held-o
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
-from typing import Any, Protocol, Sequence
+import warnings
+from typing import Any, Iterator, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +23,44 @@ from .placement import Placement
 from .presets import Preset
 
 Grads = tuple[Params, jax.Array]  # summed grads and summed loss over the microbatches so far
+# One microbatch's grads, the tied head's share of the embedding's grads (or None), its loss.
+Microbatch = tuple[Params, Any, jax.Array]
 
 
-def accumulate(total: Grads, grads: Params, table_grads: Any, loss: jax.Array) -> Grads:
-  """Adds one microbatch's grads and loss; `table_grads` is the tied head's share of the
-  embedding's grads, shaped like them (None when it is already in `grads[0]`)."""
+def accumulate(total: Grads | None, grads: Params, table_grads: Any, loss: jax.Array
+               ) -> Grads:
+  """Adds one microbatch's grads and loss (to nothing where `total` is None); `table_grads`
+  is the tied head's share of the embedding's grads, shaped like them (None when it is
+  already in `grads[0]`)."""
   if table_grads is not None:
     grads = [jax.tree.map(jnp.add, grads[0], table_grads), *grads[1:]]
-  return jax.tree.map(jnp.add, total, (grads, loss))
+  return (grads, loss) if total is None else jax.tree.map(jnp.add, total, (grads, loss))
+
+
+def fold(total: Grads | None, microbatches: Sequence[Microbatch]) -> Grads:
+  """`accumulate` of each of `microbatches` in turn."""
+  for microbatch in microbatches:
+    total = accumulate(total, *microbatch)
+  return total
+
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationPlan:
+  """The calls that sum a step's grads, each as (first, n): the grads of the next `n`
+  microbatches added to nothing (`first`) or to the running total. The first two
+  microbatches go into one call: max(1, M - 1) calls for M microbatches, then the update's
+  (with a total made of zeros first, a sum per microbatch and the update: M + 2 calls).
+  The update stays an executable of its own: summed inside it, the params' last bits
+  differed after a few steps on XLA:CPU (other fusions of the AdamW arithmetic)."""
+
+  microbatches: int
+
+  @property
+  def calls(self) -> list[tuple[bool, int]]:
+    """The sums of a step, in order."""
+    m = self.microbatches
+    return [(True, m)] if m <= 2 else [(True, 2)] + [(False, 1)] * (m - 2)
 
 
 def apply_update(tx: optax.GradientTransformation, microbatches: int, total: Grads,
@@ -104,20 +137,38 @@ class Trainer:
     # (a params sharding that changed would be a new signature for every layer).
     grads, state = placement.shardings(trained), placement.shardings(opt_state)
     scalar = placement.replicated
-    zeros = placement.jit(lambda params: (jax.tree.map(jnp.zeros_like, params),
-                                          jnp.zeros((), jnp.float32)),
-                          out_shardings=(grads, scalar))
-    # Compiled ahead like the layers, so the first step pays for no compile.
-    self.zeros = zeros.lower(trained).compile()
-    total = jax.eval_shape(zeros, trained)
-    table = total[0][0] if config.tie_embeddings else None  # shaped like the embedding's
-    self.accumulate = placement.jit(accumulate, donate_argnums=0, out_shardings=(grads, scalar)
-                                    ).lower(total, total[0], table, total[1]).compile()
+    # A step sums its grads in executables that take them as the microbatches return them,
+    # two microbatches to the first (`AccumulationPlan`).
+    self.plan = AccumulationPlan(microbatches)
+    one = self._microbatch_shapes(trained, config.tie_embeddings, self.one.sharding)
+    self._fold = placement.jit(fold, donate_argnums=(0, 1), out_shardings=(grads, scalar))
+    total = jax.eval_shape(self._fold, None, [one])  # with the sums' shardings
+    with warnings.catch_warnings():
+      # a loss or a table share has no output of its shape to be written into
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      # Compiled ahead like the layers, so the first step pays for no compile.
+      self.folds = {(first, n): self._fold.lower(None if first else total, [one] * n).compile()
+                    for first, n in sorted(set(self.plan.calls), reverse=True)}
     # The summed grads' buffers become the new params (donating the params too would leave
     # one of the two unused).
     self.apply = placement.jit(functools.partial(apply_update, tx, microbatches),
                                donate_argnums=(0, 1), out_shardings=(grads, state, scalar)
                                ).lower(total, opt_state, trained).compile()
+
+  @staticmethod
+  def _microbatch_shapes(trained: Params, tied: bool, scalar: Any) -> Microbatch:
+    """What one microbatch gives the sums (`_microbatches`): grads placed like the params,
+    the loss (a scalar placed as `scalar`)."""
+    like = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    return (like(trained), like(trained[0]) if tied else None,
+            jax.ShapeDtypeStruct((), jnp.float32, sharding=scalar))
+
+  def bookkeeping(self) -> list[tuple[str, Any, int]]:
+    """(name, compiled, calls a step) of the step's executables other than the layers'."""
+    calls = collections.Counter(self.plan.calls)
+    return ([(f"accumulate {n}" + (" (first)" if first else ""), compiled, calls[first, n])
+             for (first, n), compiled in self.folds.items()] + [("update", self.apply, 1)])
 
   def split(self, tree: Params) -> tuple[Params, Params | None]:
     """The part of a params-shaped tree (params, grads) that trains, and the rest (None
@@ -138,25 +189,36 @@ class Trainer:
     table_grads = tied_grads[0] if tied_grads else None
     return loss, [embed_grads, *block_grads, head_grads], table_grads
 
-  def grads(self, params: Params, batches: Sequence[tuple[jax.Array, jax.Array]],
-            positions: jax.Array) -> Grads:
-    """The grads and loss summed over `batches` (one (tokens, targets) per microbatch)."""
-    total = self.zeros(self.split(params)[0])
+  def _microbatches(self, params: Params, batches: Sequence[tuple[jax.Array, jax.Array]],
+                    positions: jax.Array) -> Iterator[Microbatch]:
+    """Each microbatch's grads of the trained part, table grads and loss, in turn."""
     for tokens, targets in batches:
       loss, grads, table_grads = self.microbatch(params, tokens, targets, positions)
       if self.masks is not None:  # the trained part: the frozen params' float0 grads dropped
         grads = self.split(grads)[0]
         table_grads = None if table_grads is None else jg.partition(table_grads,
                                                                     self.masks[0])[0]
-      total = self.accumulate(total, grads, table_grads, loss)
+      yield grads, table_grads, loss
+
+  def grads(self, params: Params, batches: Sequence[tuple[jax.Array, jax.Array]],
+            positions: jax.Array) -> Grads:
+    """The grads and loss summed over `batches` (one (tokens, targets) per microbatch)."""
+    total = None
+    for microbatch in self._microbatches(params, batches, positions):
+      total = self._fold(total, [microbatch])
     return total
 
   def step(self, params: Params, opt_state: Any, batches: Sequence[tuple[jax.Array, jax.Array]],
            positions: jax.Array) -> tuple[Params, Any, jax.Array]:
     """One optimizer step over `batches`: (params, opt_state, mean loss)."""
     trained, frozen = self.split(params)
-    trained, opt_state, loss = self.apply(self.grads(params, batches, positions), opt_state,
-                                          trained)
+    calls, total, pending = self.plan.calls, None, []
+    for microbatch in self._microbatches(params, batches, positions):
+      pending.append(microbatch)
+      (first, n), *rest = calls
+      if len(pending) == n:
+        total, pending, calls = self.folds[first, n](total, pending), [], rest
+    trained, opt_state, loss = self.apply(total, opt_state, trained)
     params = trained if frozen is None else jg.combine(trained, frozen)
     return self.placement.wait((params, opt_state, loss))
 
