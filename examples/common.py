@@ -31,6 +31,7 @@ from jax.sharding import Sharding
 
 import jaxgraph as jg
 import jaxgraph.rng
+import interrupt
 from checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held, other_shapes,
                                quiet_closed_loops, reason, tree_digests)
 from progress import LogLines, close_bars, progress_bar  # noqa: F401 (LogLines: for users)
@@ -256,20 +257,24 @@ class Checkpoints:
     the others wait for it). `command` continues the run: messages about a failed write
     name it."""
     if fresh and jax.process_index() == 0:
-      moved = move_aside(out)
+      with interrupt.held():
+        moved = move_aside(out)
       if moved is not None:
         print(f"--fresh: the earlier run in {out} moved to {moved} (kept: --out {moved} "
               "--resume continues it; delete it when you no longer need it)")
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("examples.common.Checkpoints.for_run")
-    return cls(out / "checkpoints", host=host, command=command, keep=keep)
+    return cls(out / "checkpoints", host=host, command=command, keep=keep, own=True)
 
   def __init__(self, directory: pathlib.Path, *, host: Callable[[Any], Any] | None = None,
-               command: str | None = None, keep: int = KEEP):
+               command: str | None = None, keep: int = KEEP, own: bool = False):
     self.directory = directory.absolute()
     self._host = host or (lambda tree: tree)
     self.command = command
     self.keep = keep
+    # The run's own checkpoints: Orbax removes the temporary folder of a save that a kill (or
+    # a second Ctrl-C) cut short. Not in another run's (--init-from: it may be saving now).
+    self.own = own
     self.rejected = self.directory.parent / "checkpoints-rejected"
     quiet_closed_loops()  # before the first read or write: a failure's stragglers print late
     self._open()
@@ -278,7 +283,8 @@ class Checkpoints:
     # The item handlers named: `item_metadata` then reads the saved arrays' shapes.
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep, enable_async_checkpointing=False),
+            max_to_keep=self.keep, enable_async_checkpointing=False,
+            cleanup_tmp_directories=self.own),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
     self.saved = self.manager.latest_step()  # the newest step on disk
@@ -307,7 +313,8 @@ class Checkpoints:
     """Around writing an output beside the checkpoints (metrics.json, loss.png): a failure
     (a full disk) ends the run with one message that names `path` and the last step saved."""
     try:
-      yield
+      with interrupt.held():  # Ctrl-C waits for the file (loss.png is not written atomically)
+        yield
     except OSError as e:
       self._stop(f"could not write {path}", e)
 
@@ -322,22 +329,26 @@ class Checkpoints:
   def save(self, step: int, params: Any, opt_state: Any, streams: Streams,
            meta: dict[str, Any]) -> None:
     """Saves step `step`: the state, and `meta` (JSON: config, loss history) with the
-    state's digests, in one Orbax step."""
-    tree = self._tree(params, opt_state, streams)
-    meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
-    meta[META_DIGEST] = meta_digest(meta)
-    try:
-      with orbax_errors_held():
-        saved = self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
-    except Exception as e:  # a full disk (tensorstore's ValueError), OSError, ...
-      quiet_closed_loops()
-      self._stop(f"could not save checkpoint step {step} in {self.directory}", e)
+    state's digests, in one Orbax step. A Ctrl-C waits for the step to be written
+    (`interrupt.held`)."""
+    with interrupt.held():
+      interrupt.point("save", step)
+      tree = self._tree(params, opt_state, streams)
+      meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
+      meta[META_DIGEST] = meta_digest(meta)
+      try:
+        with orbax_errors_held():
+          saved = self.manager.save(step, args=ocp.args.Composite(
+              state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+      except Exception as e:  # a full disk (tensorstore's ValueError), OSError, ...
+        quiet_closed_loops()
+        self._stop(f"could not save checkpoint step {step} in {self.directory}", e)
+      if saved:
+        self.saved = step
     if not saved:
       raise RuntimeError(f"Orbax skipped saving step {step}: {self.directory} already holds "
                          f"step {self.manager.latest_step()}. Continue it with --resume, or "
                          "start afresh with --fresh (it is moved aside, not deleted).")
-    self.saved = step
 
   def latest_meta(self) -> tuple[int, dict[str, Any]] | None:
     """The newest step whose metadata reads and matches its digest, and that metadata
@@ -475,7 +486,8 @@ class Checkpoints:
     suffix = 1
     while destination.exists():
       destination, suffix = self.rejected / f"{step}.{suffix}", suffix + 1
-    shutil.move(str(self.directory / str(step)), destination)
+    with interrupt.held():
+      shutil.move(str(self.directory / str(step)), destination)
     self._open()  # the manager caches the steps it found
     return destination
 

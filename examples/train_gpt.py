@@ -44,6 +44,7 @@ import optax
 from flax import nnx
 
 import jaxgraph as jg
+import interrupt
 import jaxgraph.flax as jgf
 import vocabulary as vocab_lib
 from common import (Checkpoints, Corpus, Streams, check_out, check_resume, check_steps,
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  + [(params[-1], x, targets)])
   timer = LayerTimer()
   begin = time.perf_counter()
+  interrupt.point("capture")
   layers = jg.make_graphed(list(fns), timer.hooks(), sample_args=sample_args,
                            rng=jax.random.key(args.seed))
   capture_seconds = time.perf_counter() - begin
@@ -368,9 +370,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
                                     keep=args.keep_checkpoints)
+  interrupt.watch(checkpoints, command=command, last_step=total)
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []
   if args.resume:
+    interrupt.point("restore")
     restored = checkpoints.resume(params, opt_state, stream_positions(layers))
     if restored is not None:
       first, params, opt_state = restored.step, restored.params, restored.opt_state
@@ -389,6 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   mark, mark_step = time.perf_counter(), first
   bar = progress_bar(range(first + 1, stop + 1), total=total)
   for step in bar:
+    interrupt.point("training", step)
     tokens, targets = corpus.batch_at(step)
     timer.armed = step % preset.log_every == 0
     params, opt_state, loss = graphed_step(layers, update, params, opt_state, tokens, targets)
@@ -431,6 +436,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{row.get('backward', float('nan')):8.3f}")
 
   if args.check and run_steps:
+    interrupt.point("check")
     check = compare_with_whole_step(layers, tx, check_start, corpus, range(first + 1, stop + 1),
                                     losses[first:], params)
     result["check"] = check
@@ -445,6 +451,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "GEMM algorithms); training then amplifies the last-bit differences. Per layer "
             "the math is bitwise the same (tests/test_flax.py).")
 
+  interrupt.point("outputs")
   with checkpoints.writing(args.out / "loss.png"):
     plot(losses, args.out / "loss.png", f"char GPT ({args.preset}), graphed per layer")
   with checkpoints.writing(metrics_path):
@@ -453,6 +460,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{result['tokens_per_second'] or 0:,.0f} tok/s; wrote {args.out / 'loss.png'}, "
         f"{metrics_path}, {checkpoints.directory} ({checkpoints.kept()})")
   if args.sample:
+    interrupt.point("generation")
     print("sample:\n" + sample(model, params, corpus, args.sample, args.seed))
   if stop < total:
     print(f"stopped after step {stop} of {total} (--stop-after); continue with: {command}")
@@ -460,4 +468,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  interrupt.run(main, sys.argv[1:], resume_command(__file__, sys.argv[1:]))

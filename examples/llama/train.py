@@ -63,6 +63,7 @@ from jaxgraph import fsdp  # noqa: E402
 
 # examples/ on the path: this folder's package (`llama`), examples/common.py, vocabulary.py.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import interrupt  # noqa: E402
 from common import (Checkpoints, Corpus, params_digest, plot,  # noqa: E402
                     progress_bar, resume_command, write_json)
 from llama import check as check_lib  # noqa: E402
@@ -241,6 +242,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
   """
   total, positions = preset.steps, captured.positions
   if first == 0 and "fine_tuning" in meta:
+    interrupt.point("evaluation", 0)
     eval_losses.append((0, evaluate(captured.eval, params, config, corpus,
                                     preset.eval_batches, positions)))
   metrics_path = out / "metrics.json"
@@ -251,6 +253,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
   bar = progress_bar(range(first + 1, stop + 1), total=total)
   timer.start()
   for step in bar:
+    interrupt.point("training", step)
     params, opt_state, loss = trainer.step(params, opt_state,
                                            step_batches(corpus, step, preset.microbatches),
                                            positions)
@@ -266,6 +269,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
     bar.set_postfix(loss=f"{losses[-1]:.4f}",
                     tok_s=f"{timer.rates[-1]:,.0f}" if timer.rates else "(warm-up)")
     if evaluate_now:
+      interrupt.point("evaluation", step)
       eval_losses.append((step, evaluate(captured.eval, params, config, corpus,
                                          preset.eval_batches, positions)))
       bar.write(f"step {step:>5}: train loss {losses[-1]:.4f}, held-out loss "
@@ -364,6 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   policy = tuning.residual_policy(policy)
 
   # Capture, then the optimizer and the step; with --fsdp, where everything lives.
+  interrupt.point("capture")
   captured = capture(args, preset, model.config, fns, params, placement, policy, tuning)
   positions = captured.positions
   tx, opt_state, trainer = make_step(args, preset, model.config, fns, params, placement,
@@ -374,8 +379,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   # Checkpoints: --resume continues from the newest intact one.
   checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
                                     host=placement.host, keep=args.keep_checkpoints)
+  interrupt.watch(checkpoints, command=command, last_step=preset.steps)
   first, losses, eval_losses = 0, [], []
   if args.resume:
+    interrupt.point("restore")
     first, params, opt_state, losses, eval_losses = resume(checkpoints, trainer, params,
                                                            opt_state)
   if check:  # --check reruns the steps from here under one whole-step jax.jit
@@ -391,6 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      vocabulary=vocabulary, tuning=tuning)
 
   if check and stop > first:
+    interrupt.point("check")
     whole, found, whole_state = check_lib.rerun(
         fns, model.config, tx, preset, start, first_grads, graph_ends=graph_ends,
         policy=policy, placement=placement, corpus=corpus, steps=range(first + 1, stop + 1),
@@ -408,9 +416,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   if sharded is not None:
     result["fsdp"] = sharded
+  interrupt.point("outputs")
   plot_losses(args, losses, eval_losses, checkpoints)
   write_metrics(args.out, result, checkpoints)
   if args.generate:
+    interrupt.point("generation")
     # One sequence: generated on one device (per process), from the params gathered whole.
     result["generation"] = write_sample(model, fns, placement.local(params), corpus,
                                         graph_ends, min(args.generate, preset.context // 2),
@@ -425,4 +435,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  interrupt.run(main, sys.argv[1:], resume_command(__file__, sys.argv[1:]))
