@@ -49,6 +49,11 @@ def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentPar
   parser.add_argument("--fresh", action="store_true",
                       help="start a new run in an --out that holds an earlier one: its "
                            "checkpoints and outputs are moved to OUT/earlier-N/ (kept)")
+  parser.add_argument("--legacy-metadata", action="store_true",
+                      help="read checkpoint steps whose metadata has no digest (written before "
+                           "metadata digests) as they are: their config and loss history "
+                           "unchecked (their arrays are checked as always); without it such a "
+                           "step is refused")
   parser.add_argument("--keep-checkpoints", type=int, default=KEEP, metavar="N",
                       help=f"how many of the newest checkpoint steps to keep (default: {KEEP}; "
                            "an older step is deleted when a newer one is saved)")
@@ -214,12 +219,25 @@ def stream_keys(streams: Streams, offset: int) -> list[jax.Array]:
           for i, (base, counter) in enumerate(streams)]
 
 
+# How a step saved by another model's arrays is described (`other_shapes` too): not damage.
+OTHER_MODEL = "holds arrays of other"
+
+
 class CheckpointWarning(UserWarning):
   """A checkpoint could not be restored or failed its digest; an earlier one is tried."""
 
 
 class NoCheckpoint(RuntimeError):
-  """--resume found checkpoints, but none that restores and passes its digest."""
+  """Checkpoints were found, but none that restores and passes its digests (the message
+  lists each step and its problem; what to do depends on the caller: `Checkpoints.resume`).
+
+  Attributes:
+    other_model: every step was saved by a model of other shapes or layout (not damage).
+  """
+
+  def __init__(self, message: str, *, other_model: bool = False):
+    super().__init__(message)
+    self.other_model = other_model
 
 
 class Restored(NamedTuple):
@@ -251,11 +269,12 @@ class Checkpoints:
 
   @classmethod
   def for_run(cls, out: pathlib.Path, *, fresh: bool, command: str,
-              host: Callable[[Any], Any] | None = None, keep: int = KEEP) -> "Checkpoints":
+              host: Callable[[Any], Any] | None = None, keep: int = KEEP,
+              legacy_metadata: bool = False) -> "Checkpoints":
     """The checkpoints of a run writing to `out` (`check_out` checked it), the newest `keep`
     steps kept; with `fresh`, an earlier run's outputs are moved aside first (by process 0,
     the others wait for it). `command` continues the run: messages about a failed write
-    name it."""
+    name it; `legacy_metadata`: as `__init__`'s."""
     if fresh and jax.process_index() == 0:
       with interrupt.held():
         moved = move_aside(out)
@@ -264,11 +283,15 @@ class Checkpoints:
               "--resume continues it; delete it when you no longer need it)")
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("examples.common.Checkpoints.for_run")
-    return cls(out / "checkpoints", host=host, command=command, keep=keep, own=True)
+    return cls(out / "checkpoints", host=host, command=command, keep=keep, own=True,
+               legacy_metadata=legacy_metadata)
 
   def __init__(self, directory: pathlib.Path, *, host: Callable[[Any], Any] | None = None,
-               command: str | None = None, keep: int = KEEP, own: bool = False):
+               command: str | None = None, keep: int = KEEP, own: bool = False,
+               legacy_metadata: bool = False):
     self.directory = directory.absolute()
+    # --legacy-metadata: a step whose metadata has no digest is read unchecked, not refused.
+    self.legacy_metadata = legacy_metadata
     self._host = host or (lambda tree: tree)
     self.command = command
     self.keep = keep
@@ -350,6 +373,11 @@ class Checkpoints:
                          f"step {self.manager.latest_step()}. Continue it with --resume, or "
                          "start afresh with --fresh (it is moved aside, not deleted).")
 
+  def meta_problems(self) -> list[tuple[int, str]]:
+    """Each step whose metadata does not read or pass its digest, and what is wrong."""
+    found = [(step, self._meta(step)) for step in sorted(self.manager.all_steps())]
+    return [(step, meta) for step, meta in found if isinstance(meta, str)]
+
   def latest_meta(self) -> tuple[int, dict[str, Any]] | None:
     """The newest step whose metadata reads and matches its digest, and that metadata
     (arrays not read or checked: `restore` does that); None if there is none."""
@@ -368,7 +396,12 @@ class Checkpoints:
       meta = dict(restored["meta"])
     except Exception as e:  # JSON, a missing item: one line is enough
       return f"cannot be read ({reason(e)})"
-    saved = meta.get(META_DIGEST)  # None: written before metadata digests, read as it is
+    saved = meta.get(META_DIGEST)
+    if saved is None and not self.legacy_metadata:  # never taken on trust unasked
+      return (f"has metadata without its digest ({META_DIGEST}: written before metadata "
+              "digests, or the digest removed), so its config and loss history cannot be "
+              "checked; pass --legacy-metadata to read such a step unchecked (its arrays are "
+              "checked as always)")
     if saved is not None and saved != meta_digest(meta):
       return ("has metadata that does not match its digest (its config, loss history or "
               "array digests were changed after the save)")
@@ -397,7 +430,11 @@ class Checkpoints:
     try:
       restored = self.restore(params, opt_state, streams)
     except NoCheckpoint as e:
-      sys.exit(f"--resume: {e}")
+      sys.exit(f"--resume: {e}. The steps are left in place: "
+               + ("resume with the model (code, preset and flags) that saved them, or "
+                  if e.other_model else "")
+               + "start afresh with --fresh instead of --resume (they are moved aside, not "
+               "deleted)")
     if restored is None:
       print("no checkpoint to resume from; starting at step 0")
     return restored
@@ -427,14 +464,10 @@ class Checkpoints:
         return found
       failures.append((step, found))
     if failures:
-      shapes = all("other shapes" in problem for _, problem in failures)
       raise NoCheckpoint(f"no checkpoint in {self.directory} restores intact: "
-                         + "; ".join(f"step {step} {problem}" for step, problem in failures)
-                         + ". The steps are left in place: "
-                         + ("resume with the model (code, preset and flags) that saved them, "
-                            "or " if shapes else "")
-                         + "start afresh with --fresh instead of --resume (they are moved "
-                         "aside, not deleted)")
+                         + "; ".join(f"step {step} {problem}" for step, problem in failures),
+                         other_model=all(problem.startswith(OTHER_MODEL)
+                                         for _, problem in failures))
     return None
 
   def _check(self, step: int, target: dict[str, Any]) -> Restored | str:
@@ -458,6 +491,9 @@ class Checkpoints:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))
     except Exception as e:  # tensorstore, missing items: one line is enough
+      if "tree structures do not match" in str(e):  # healthy, of another model's layout
+        return (f"{OTHER_MODEL} parts or buffers than this run's model (Orbax: the tree "
+                "structures do not match); it was saved by a model of other flags or code")
       return f"cannot be read ({reason(e)})"
     state = restored["state"]
     found = tree_digests(self._host(state))
@@ -510,11 +546,13 @@ def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
 def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dict[str, Any],
                  steps: int, stop: int,
                  shown: Callable[[dict[str, Any]], dict[str, Any]] = dict,
-                 finished: str = "") -> None:
+                 finished: str = "", legacy_metadata: bool = False) -> None:
   """With --resume: refuses (`parser.error`) a checkpoint past `steps`, or one saved by a
-  run whose config differs from `config` (names the flags that differ); for an intact
+  run whose config differs from `config` (names the flags that differ), or steps whose
+  metadata has no digest (without `legacy_metadata`: --legacy-metadata); for an intact
   checkpoint at `steps`, says that nothing is left to train and exits (status 0), before
-  anything is built and without writing anything (`finished`: what to do instead).
+  anything is built (`finished`: what to do instead), writing nothing but a missing or
+  damaged metrics.json (`restore_metrics`).
 
   `config` maps flag names (`dropout`, `plain_ends`, ...) to values; it is what `save`'s
   metadata holds under "config". `shown` gives the values a config stands for, as the
@@ -524,8 +562,14 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
   directory = out / "checkpoints"
   if not directory.is_dir():
     return
-  latest = Checkpoints(directory).latest_meta()
+  checkpoints = Checkpoints(directory, legacy_metadata=legacy_metadata)
+  latest = checkpoints.latest_meta()
   if latest is None:
+    undigested = [f"step {step} {problem}" for step, problem in checkpoints.meta_problems()
+                  if "without its digest" in problem]
+    if undigested:
+      parser.error(f"--resume: no checkpoint in {directory} has metadata that can be checked: "
+                   + "; ".join(undigested))
     return
   step, meta = latest
   if step > steps:
@@ -549,11 +593,33 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
                  + ", ".join(differ) + ". Pass the checkpoint's flags to continue it, or "
                  "another --out for a new run")
   # A damaged last step is rejected by the resume, which then trains from the one before.
-  if step == steps and jax.process_count() == 1 and Checkpoints(directory).intact(step):
+  if step == steps and jax.process_count() == 1 and checkpoints.intact(step):
+    restored = restore_metrics(out / "metrics.json", meta)
     print(f"--resume: the checkpoint in {directory} is at step {step}, the run's last "
-          f"(--steps {steps}): nothing left to train; nothing was built or written."
+          f"(--steps {steps}): nothing left to train; nothing was built"
+          + (f", and {restored}." if restored else " or written.")
           + (f" {finished}" if finished else ""))
     sys.exit(0)
+
+
+def restore_metrics(path: pathlib.Path, meta: dict[str, Any]) -> str | None:
+  """A finished run's metrics.json, when missing or damaged (unreadable, or a history other
+  than its last checkpoint's), written again from that checkpoint's `meta` (its step and
+  loss history: what a checkpoint holds of it); what was done, or None if it was whole."""
+  history = {key: meta[key] for key in ("losses", "eval_losses") if key in meta}
+  missing = not path.exists()
+  try:
+    found = json.loads(path.read_text())
+    whole = all(found.get(key) == value for key, value in history.items())
+  except (OSError, ValueError, AttributeError):  # missing, truncated, not an object
+    found, whole = None, False
+  if whole:
+    return None
+  write_json(path, {"step": meta["step"], **history}, indent=1)
+  return (f"{path} was {'missing' if missing else 'damaged'}: "
+          f"written again from step {meta['step']}'s checkpoint (its step and "
+          f"{' and '.join(history) or 'nothing else'}; the run's other records, such as "
+          "tokens/s, are not in checkpoints)")
 
 
 def params_digest(params: Any) -> str:

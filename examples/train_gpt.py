@@ -319,7 +319,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   check_steps(parser, args, total)
   check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   if args.resume:
-    check_resume(parser, args.out, run_config(args), total, min(total, args.stop_after or total))
+    check_resume(parser, args.out, run_config(args), total, min(total, args.stop_after or total),
+                 legacy_metadata=args.legacy_metadata)
   return args
 
 
@@ -369,7 +370,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   update = make_update(tx).lower(params, opt_state, params).compile()
 
   checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
-                                    keep=args.keep_checkpoints)
+                                    keep=args.keep_checkpoints,
+                                    legacy_metadata=args.legacy_metadata)
   interrupt.watch(checkpoints, command=command, last_step=total)
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []

@@ -353,14 +353,21 @@ def test_llama_tiny_preset_computes_the_golden_numbers(tmp_path, env):
   assert metrics["generation"]["continuation"] == golden["continuation"]
 
 
-def test_llama_resumes_a_checkpoint_written_before_the_split(common, tmp_path, env):
+def test_llama_resumes_a_checkpoint_written_before_the_split(llama, common, capsys, tmp_path,
+                                                             env):
   """The step-10 checkpoint of that golden run, as the example at ac11c78 wrote it, resumes
-  (its layout, config, vocabulary and digests are this version's); where the golden numbers
-  were recorded, the resumed run ends bit for bit as the golden run did."""
+  with --legacy-metadata (its layout, config, vocabulary and array digests are this
+  version's; its metadata has no digest, and is refused without the flag); where the golden
+  numbers were recorded, the resumed run ends bit for bit as the golden run did."""
   shutil.copytree(llama_golden.CHECKPOINT, tmp_path / "checkpoints")
-  step, saved = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
-  out = _run("llama/train.py", env, "--preset", "tiny", "--generate", "0", "--out",
-             str(tmp_path), "--resume")
+  run = ["--preset", "tiny", "--generate", "0", "--out", str(tmp_path), "--resume"]
+  with pytest.raises(SystemExit):
+    llama.cli.parse(run)
+  assert (f"--resume: no checkpoint in {tmp_path / 'checkpoints'} has metadata that can be "
+          "checked: step 10 has metadata without its digest") in capsys.readouterr().err
+  step, saved = common.Checkpoints(tmp_path / "checkpoints",
+                                   legacy_metadata=True).latest_meta()
+  out = _run("llama/train.py", env, *run, "--legacy-metadata")
   assert step == 10 and "resumed from step 10" in out  # restored, digests verified
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   assert metrics["losses"][:10] == saved["losses"] and len(metrics["losses"]) == 12
@@ -493,10 +500,17 @@ def test_llama_fsdp_two_processes_agree_with_one(fsdp_run, tmp_path, env):
   out, metrics, _ = fsdp_run
   port = free_port()
   logs = run_processes([[sys.executable, str(EXAMPLES / "llama" / "train.py"), *FSDP,
-                         *_process(i, 2, port), "--generate", "0", "--out", str(tmp_path)]
+                         *_process(i, 2, port), "--generate", "2", "--out", str(tmp_path)]
                         for i in range(2)], _cpu_env(env, 4), timeout=300)
   for log in logs:
     assert "sharded over 8 cpu devices of 2 process(es)" in log
+    # Generation's layers, captured for the arrays of this process's first device, replay
+    # them on process 1 too (its arrays were taken for placed ones: a recapture warned).
+    assert "captured a new input signature" not in log
+  # Each line says what its process wrote: loss.png and metrics.json are process 0's.
+  assert f"wrote {tmp_path / 'loss.png'}" in logs[0]
+  assert "loss.png" not in logs[1].replace("process 0 wrote loss.png", "")
+  assert "process 1 wrote its shards of" in logs[1]
   found = json.loads((tmp_path / "metrics.json").read_text())  # written by process 0
   assert found["fsdp"]["processes"] == 2
   assert found["stats"]["train Block[1]"]["captures"] == 1
@@ -632,6 +646,9 @@ def _corrupt(kind: str, step: pathlib.Path) -> None:
     _edit_meta(step, lambda text: text.replace("1.25", "1.75", 1))
   elif kind == "meta_seed_bit":  # one bit of the saved seed flipped: "seed": 0 reads as 1
     _edit_meta(step, lambda text: text.replace('"seed": 0', '"seed": 1', 1))
+  elif kind == "meta_digest_renamed":  # its digest's key renamed, a saved loss changed
+    _edit_meta(step, lambda text: text.replace('"meta_sha256"', '"meta_sha257"').replace(
+        "1.25", "1.75", 1))
 
 
 def _edit_meta(step: pathlib.Path, edit: Any) -> None:
@@ -649,7 +666,8 @@ DAMAGE = {"flipped": r"does not match its digests|ValueError: DATA_LOSS",
           "truncated": "ValueError: OUT_OF_RANGE", "deleted": "ValueError: NOT_FOUND",
           "empty_dir": 'KeyError: .Item "meta" was not found', "empty_meta": "JSONDecodeError",
           "meta_loss_digit": "has metadata that does not match its digest",
-          "meta_seed_bit": "has metadata that does not match its digest"}
+          "meta_seed_bit": "has metadata that does not match its digest",
+          "meta_digest_renamed": "has metadata without its digest .* pass --legacy-metadata"}
 
 
 def _meta(step: int) -> dict[str, Any]:
@@ -682,7 +700,9 @@ def test_corrupt_latest_checkpoint_is_named_and_the_previous_restored(common, tm
 
 def test_a_history_that_does_not_fit_its_step_is_rejected(common, tmp_path):
   """A loss dropped from a step's metadata: with the metadata's digest, the digest tells;
-  in a step saved before metadata digests (none in it), the count of losses does."""
+  in a step saved before metadata digests (none in it), read with --legacy-metadata (else
+  refused: `test_corrupt_latest_checkpoint_is_named_and_the_previous_restored`), the count
+  of losses does."""
   checkpoints = common.Checkpoints(tmp_path / "checkpoints", keep=3)
   for step in (10, 20, 30):
     checkpoints.save(step, *_state(float(step)), _meta(step))
@@ -694,7 +714,8 @@ def test_a_history_that_does_not_fit_its_step_is_rejected(common, tmp_path):
       del meta[common.META_DIGEST]
     path.write_text(json.dumps(meta))
   with pytest.warns(common.CheckpointWarning) as found:
-    restored = common.Checkpoints(tmp_path / "checkpoints").restore(*_state(0.0))
+    restored = common.Checkpoints(tmp_path / "checkpoints",
+                                  legacy_metadata=True).restore(*_state(0.0))
   assert restored.step == 10 and len(restored.meta["losses"]) == 10
   assert [str(w.message).split(";")[0] for w in found] == [
       f"checkpoint step 30 in {tmp_path / 'checkpoints'} has metadata that does not match its "
@@ -716,10 +737,12 @@ def test_no_intact_checkpoint_is_one_error(common, tmp_path):
   checkpoints = common.Checkpoints(tmp_path / "checkpoints")
   checkpoints.save(10, *_state(1.0), _meta(10))
   _flip_bytes(tmp_path / "checkpoints" / "10")
-  with pytest.raises(common.NoCheckpoint,
-                     match=r"restores intact: step 10 .* start afresh with --fresh instead "
-                           r"of --resume \(they are moved aside, not deleted\)"):
+  with pytest.raises(common.NoCheckpoint, match=r"restores intact: step 10 ") as found:
     checkpoints.restore(*_state(0.0))
+  assert "--fresh" not in str(found.value)  # advice is the caller's: --resume's, below
+  with pytest.raises(SystemExit, match=r"^--resume: no checkpoint .* start afresh with --fresh "
+                     r"instead of --resume \(they are moved aside, not deleted\)$"):
+    checkpoints.resume(*_state(0.0))
   assert (tmp_path / "checkpoints" / "10").is_dir()  # left in place: maybe the code is wrong
 
 
@@ -848,15 +871,20 @@ def test_llama_resume_reads_verified_metadata_and_stops_a_finished_run_first(lla
   finished = tmp_path / "finished"
   common.Checkpoints(finished / "checkpoints").save(40, *_state(1.0),
                                                     {**meta, "losses": [1.25] * 40})
-  (finished / "metrics.json").write_text("{}")
-  with pytest.raises(SystemExit) as exit:
-    llama.cli.parse([*run[:2], "--out", str(finished), *run[4:]])
-  assert exit.value.code in (0, None)
-  assert capsys.readouterr().out.strip() == (
-      f"--resume: the checkpoint in {finished / 'checkpoints'} is at step 40, the run's last "
-      "(--steps 40): nothing left to train; nothing was built or written. To train on from "
-      f"its params, start a new run from it: --init-from {finished} and another --out")
-  assert (finished / "metrics.json").read_text() == "{}"
+  (finished / "metrics.json").write_text("{}")  # damaged: restored from the checkpoint
+  finish = f"To train on from its params, start a new run from it: --init-from {finished} " \
+           "and another --out"
+  for written in (f", and {finished / 'metrics.json'} was damaged: written again from step "
+                  "40's checkpoint (its step and losses; the run's other records, such as "
+                  "tokens/s, are not in checkpoints).", " or written."):
+    with pytest.raises(SystemExit) as exit:
+      llama.cli.parse([*run[:2], "--out", str(finished), *run[4:]])
+    assert exit.value.code in (0, None)
+    assert capsys.readouterr().out.strip() == (
+        f"--resume: the checkpoint in {finished / 'checkpoints'} is at step 40, the run's "
+        f"last (--steps 40): nothing left to train; nothing was built{written} {finish}")
+    assert json.loads((finished / "metrics.json").read_text()) == {
+        "step": 40, "losses": [1.25] * 40}
   _flip_bytes(finished / "checkpoints" / "40")
   llama.cli.parse([*run[:2], "--out", str(finished), *run[4:]])  # goes on to the resume
 

@@ -190,7 +190,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     check_resume(parser, args.out, run_config(args, preset), preset.steps,
                  min(preset.steps, args.stop_after or preset.steps), shown=shown_config,
                  finished=f"To train on from its params, start a new run from it: "
-                          f"--init-from {args.out} and another --out")
-    check_vocabulary(parser, args.out, preset, args.cache)
+                          f"--init-from {args.out} and another --out",
+                 legacy_metadata=args.legacy_metadata)
+    check_vocabulary(parser, args.out, preset, args.cache,
+                     legacy_metadata=args.legacy_metadata)
   return args
 

@@ -378,7 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   # Checkpoints: --resume continues from the newest intact one.
   checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
-                                    host=placement.host, keep=args.keep_checkpoints)
+                                    host=placement.host, keep=args.keep_checkpoints,
+                                    legacy_metadata=args.legacy_metadata)
   interrupt.watch(checkpoints, command=command, last_step=preset.steps)
   first, losses, eval_losses = 0, [], []
   if args.resume:
@@ -426,8 +427,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         graph_ends, min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
     write_metrics(args.out, result, checkpoints)
-  print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, {checkpoints.directory} "
-        f"({checkpoints.kept()})")
+  if jax.process_index() == 0:
+    print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, "
+          f"{checkpoints.directory} ({checkpoints.kept()})")
+  else:  # loss.png and metrics.json are process 0's
+    print(f"process {jax.process_index()} wrote its shards of {checkpoints.directory} "
+          f"({checkpoints.kept()}); process 0 wrote loss.png and metrics.json")
   if stop < preset.steps:
     print(f"stopped after step {stop} of {preset.steps} (--stop-after); continue with: "
           f"{command}")
