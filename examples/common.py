@@ -142,7 +142,7 @@ def move_aside(out: pathlib.Path) -> pathlib.Path | None:
 
 def resume_command(script: str, argv: Sequence[str]) -> str:
   """The command that continues the run `script` started with `argv`: the same flags
-  without --stop-after and --fresh, with --resume."""
+  without --stop-after and --fresh, with --resume (`given_command`: as given)."""
   flags, skip = [], False
   for arg in argv:
     if skip:
@@ -151,10 +151,16 @@ def resume_command(script: str, argv: Sequence[str]) -> str:
       skip = True
     elif not (arg.startswith("--stop-after=") or arg in ("--fresh", "--resume")):
       flags.append(arg)
+  return given_command(script, [*flags, "--resume"])
+
+
+def given_command(script: str, argv: Sequence[str]) -> str:
+  """`python script argv...`, the script shown from the working directory where it is
+  below it."""
   path = pathlib.Path(script).absolute()
-  with contextlib.suppress(ValueError):  # shown from the working directory where it is below it
+  with contextlib.suppress(ValueError):
     path = path.relative_to(pathlib.Path.cwd())
-  return shlex.join(["python", str(path), *flags, "--resume"])
+  return shlex.join(["python", str(path), *argv])
 
 
 class Corpus:

@@ -48,7 +48,10 @@ class _Run:
 
   phase = "start"
   step: int | None = None
-  command = ""
+  command = ""  # continues the run (--resume)
+  rerun = ""  # the command as given: starts it again where --fresh has not moved a run yet
+  directory: pathlib.Path | None = None  # its checkpoints' folder, before they are opened
+  fresh = False
   checkpoints: Any = None  # the run's common.Checkpoints: its `saved` step and `directory`
   last_step: int | None = None  # the run's last step: a checkpoint there leaves nothing to train
   holding = 0  # depth of `held()`
@@ -79,6 +82,12 @@ def _interrupt_a_compile() -> None:
       os.kill(os.getpid(), signal.SIGINT)
       return
     time.sleep(0.001)
+
+
+def starting(directory: pathlib.Path, *, fresh: bool) -> None:
+  """The run's checkpoints will be in `directory` (their steps on disk are what it keeps
+  until they are opened); `fresh`: an earlier run there is still to be moved aside."""
+  RUN.directory, RUN.fresh = directory.absolute(), fresh
 
 
 def watch(checkpoints: Any, *, command: str, last_step: int) -> None:
@@ -115,12 +124,19 @@ def _line(twice: bool = False) -> str:
   stopped = "Ctrl-C twice: stopped" if twice else "interrupted (Ctrl-C)"
   if twice:
     where += ", without finishing it"
-  saved = None if RUN.checkpoints is None else RUN.checkpoints.saved
-  if saved is None:
-    kept = "no checkpoint step saved yet"
-  else:
-    kept = f"checkpoint step {saved} kept ({pathlib.Path(RUN.checkpoints.directory) / str(saved)})"
   command = RUN.command or "the same command with --resume"
+  if RUN.checkpoints is None and RUN.fresh:  # the earlier run is where it was
+    return (f"{stopped} during {where}: nothing of this run is saved yet (--fresh has not "
+            f"moved the earlier run aside); start it again with: {RUN.rerun}")
+  if RUN.checkpoints is not None:
+    saved, directory = RUN.checkpoints.saved, pathlib.Path(RUN.checkpoints.directory)
+  else:  # not opened yet: a resumed run's steps on disk
+    directory = RUN.directory
+    steps = [] if directory is None else [int(p.name) for p in directory.glob("*")
+                                          if p.name.isdigit() and p.is_dir()]
+    saved = max(steps, default=None)
+  kept = ("no checkpoint step saved yet" if saved is None
+          else f"checkpoint step {saved} kept ({directory / str(saved)})")
   if saved is not None and saved == RUN.last_step:
     return (f"{stopped} during {where}: every step is trained, {kept}; nothing is left to "
             f"train (`{command}` says so, and writes metrics.json from it if missing)")
@@ -135,10 +151,12 @@ def _stop(line: str) -> None:
   os._exit(130)
 
 
-def run(main: Callable[[list[str]], Any], argv: list[str], command: str) -> None:
-  """Runs `main(argv)`, Ctrl-C ending it in one line (`command`: the one that continues).
-  An inherited SIGINT that is ignored (a background job, nohup) stays ignored."""
-  RUN.command = command
+def run(main: Callable[[list[str]], Any], argv: list[str], *, command: str,
+        rerun: str) -> None:
+  """Runs `main(argv)`, Ctrl-C ending it in one line (`command`: the one that continues;
+  `rerun`: `argv`'s). An inherited SIGINT that is ignored (a background job, nohup) stays
+  ignored."""
+  RUN.command, RUN.rerun = command, rerun
   if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _handler)
     RUN.installed = True

@@ -64,8 +64,8 @@ from jaxgraph import fsdp  # noqa: E402
 # examples/ on the path: this folder's package (`llama`), examples/common.py, vocabulary.py.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import interrupt  # noqa: E402
-from common import (Checkpoints, Corpus, params_digest, plot,  # noqa: E402
-                    progress_bar, resume_command, write_json)
+from common import (Checkpoints, Corpus, given_command, params_digest,  # noqa: E402
+                    plot, progress_bar, resume_command, write_json)
 from llama import check as check_lib  # noqa: E402
 from llama import lora  # noqa: E402
 from llama.checkpoints import metadata, resume, run_config  # noqa: E402
@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   """One run of the command (`argv`: its flags); returns what metrics.json holds."""
   args = parse(argv)
   command = resume_command(__file__, sys.argv[1:] if argv is None else argv)
+  interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
   preset = resolve(args)
   check = (preset.check and not args.whole_step) if args.check is None else args.check
   stop = min(preset.steps, args.stop_after or preset.steps)
@@ -440,4 +441,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  interrupt.run(main, sys.argv[1:], resume_command(__file__, sys.argv[1:]))
+  interrupt.run(main, sys.argv[1:], command=resume_command(__file__, sys.argv[1:]),
+                rerun=given_command(__file__, sys.argv[1:]))
