@@ -16,7 +16,8 @@ after shutdown" from an Orbax thread). Nothing is lost by skipping it: every fil
 writes is finished (`held`) or written atomically before the handler can raise.
 
 For tests: EXAMPLES_INTERRUPT_AT=NAME (or NAME@STEP) sends the process a SIGINT at that
-`point`; NAME "compile" sends it while the main thread is inside an XLA compile.
+`point`; NAME "compile" sends it while the main thread is inside an XLA compile (or its
+load from JAX's persistent compilation cache).
 """
 
 from __future__ import annotations
@@ -73,11 +74,12 @@ def point(phase: str, step: int | None = None) -> None:
 
 
 def _interrupt_a_compile() -> None:
-  """Sends SIGINT once the main thread is inside an XLA compile (the test hook)."""
+  """Sends SIGINT once the main thread is inside an XLA compile or a load of one from the
+  compilation cache (the test hook; `compile_or_get_cached` is JAX's, around both)."""
   main = threading.main_thread().ident
   for _ in range(60_000):  # at most a minute
     frame = sys._current_frames().get(main)
-    if frame is not None and any(f.name == "backend_compile_and_load"
+    if frame is not None and any(f.name == "compile_or_get_cached"
                                  for f in traceback.extract_stack(frame)):
       os.kill(os.getpid(), signal.SIGINT)
       return

@@ -121,11 +121,8 @@ def test_train_gpt_trains_checkpoints_and_resumes_bitwise(tmp_path, env):
   # On GPU the fusions differ more, and 12 Adam steps carry the difference on: 10x more room.
   assert metrics["check"]["max_loss_diff"] < (1e-4 if jax.default_backend() == "cpu" else 1e-3)
 
-  # Ctrl-C inside the first compile, then in the sample of a run stopped at step 5: one line
-  # each, and the command it names continues the run.
-  line = _interrupted("train_gpt.py", env, "compile", *common, "--out", str(parts))
-  assert line.startswith("interrupted (Ctrl-C) during capture: no checkpoint step saved yet; "
-                         "continue with: python ")
+  # Ctrl-C in the sample of a run stopped at step 5: one line, and the command it names
+  # continues the run (Ctrl-C elsewhere: the Llama test below; the same examples/interrupt.py).
   line = _interrupted("train_gpt.py", env, "generation", *common[:-1], "4", "--out",
                       str(parts), "--stop-after", "5")
   assert line.startswith(f"interrupted (Ctrl-C) during generation: checkpoint step 5 kept "
@@ -319,6 +316,31 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   assert adapters == ["[1]['lora.float32']", "[2]['lora.float32']"]
   assert all(np.any(params[path] != 0) for path in adapters)
 
+  # A LoRA run is a run to start from: its adapters merged into its kernels (W + A @ B), then
+  # new adapters over them (LoRA on LoRA), ...
+  again = tmp_path / "lora-on-lora"
+  out = _run("llama/train.py", env, *tiny, "--init-from", str(tuned), "--lora", "4", "--steps",
+             "2", "--out", str(again))
+  assert "it is a --lora 4 run: its adapters merged into the kernels (W + A @ B)" in out
+  merged = json.loads((again / "metrics.json").read_text())["fine_tuning"]
+  assert merged["merged_lora_rank"] == 4 and merged["params_sha256"] == metrics["params_sha256"]
+  assert merged["base_params_sha256"] == merged["merged_params_sha256"] == (
+      merged["base_params_sha256_after"])  # the merged kernels are the frozen base
+  # The merged model computes what the LoRA run's did, to bf16 rounding.
+  start_loss = json.loads((again / "metrics.json").read_text())["eval_losses"][0]
+  assert start_loss[0] == 0 and abs(start_loss[1] - eval_losses[-1][1]) < 1e-2
+  # ... or every param trained (the start of such a run, in this process: no adapters left).
+  args = llama.cli.parse(["--preset", "tiny", "--init-from", str(tuned), "--out",
+                          str(tmp_path / "full")])
+  preset = llama.presets.resolve(args)
+  corpus, _ = llama.train.load_text(args, preset, None)
+  model, fns, full, _ = llama.train.build_model(args, preset, corpus)
+  full, placement = llama.train.place(full, args.flat, None, model.config.compute_dtype)
+  fns, full, tuning = llama.lora.start(args, preset, model, fns, full, placement)
+  assert tuning.masks is None and tuning.meta["merged_lora_rank"] == 4
+  assert all(spec.group != "lora" for p in full for spec in p.layout.buffers)
+  assert tuning.meta["merged_params_sha256"] == merged["merged_params_sha256"]
+
   shutil.copytree(tuned, resumed)
   shutil.rmtree(resumed / "checkpoints" / "12")  # as if stopped after step 10's checkpoint
   base.rename(tmp_path / "moved")  # its checkpoints hold the params: no base run needed
@@ -341,6 +363,9 @@ def test_llama_lora_and_init_from_flags_are_checked_first(llama, common, capsys,
   assert "--lora RANK fine-tunes a trained run: pass --init-from RUN_DIR" in refused(
       "--lora", "4")
   assert "--lora takes a rank >= 1, got 0" in refused("--lora", "0", "--init-from", str(run))
+  assert ("--lora 17 is above the rank the model's projections can have: the narrowest adapted "
+          "one (key/value, 32 x 16) has rank at most 16 (the preset's width is 32)") in refused(
+              "--lora", "17", "--init-from", str(run))
   for flags, dropped in ((["--whole-step"], "--whole-step"), (["--check"], "--check"),
                          (["--offload", "all"], "--offload"), (["--fsdp", "2"], "--fsdp")):
     assert f"{dropped} is not supported with it: drop {dropped}" in refused(
@@ -357,6 +382,18 @@ def test_llama_lora_and_init_from_flags_are_checked_first(llama, common, capsys,
   args = llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "out"), "--init-from",
                           str(run), "--lora", "4"])
   assert args.check is False  # a LoRA run is not --check'ed, whatever the preset
+  # Its metadata passes, its arrays are not this model's: one line when the run loads them.
+  preset = llama.presets.resolve(args)
+  corpus, _ = llama.train.load_text(args, preset, None)
+  model, fns, params, _ = llama.train.build_model(args, preset, corpus)
+  params, placement = llama.train.place(params, args.flat, None, model.config.compute_dtype)
+  with pytest.raises(SystemExit) as exit:
+    llama.lora.start(args, preset, model, fns, params, placement)
+  assert exit.value.code == (
+      f"--init-from {run}: no checkpoint in {run.absolute() / 'checkpoints'} restores intact: "
+      "step 12 holds arrays of other parts or buffers than this run's model (Orbax: the tree "
+      "structures do not match); it was saved by a model of other flags or code. Its steps "
+      "are left in place: pass the --out of a trained run whose checkpoints restore")
 
 
 # ------------------------------------------------- the numbers of earlier versions, pinned
@@ -390,8 +427,8 @@ def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llam
   """The step-10 checkpoint of that golden run, as the example at ac11c78 wrote it, resumes
   with --legacy-metadata (its layout, config, vocabulary and array digests are this
   version's; its metadata has no digest, and is refused without the flag). The resumed run
-  gets Ctrl-C inside the capture's first compile, at step 11, in step 12's evaluation and in
-  its save: each time one line, status 130, and the command it names goes on; the last one
+  gets Ctrl-C inside the capture's first compile, in step 12's evaluation (steps 11 and 12
+  trained, not saved) and in its save: each time one line, status 130, and the command it names goes on; the last one
   finds the run finished and writes the missing metrics.json from its checkpoint. Where the
   golden numbers were recorded, the losses are bit for bit the golden run's."""
   shutil.copytree(llama_golden.CHECKPOINT, tmp_path / "checkpoints")
@@ -405,8 +442,7 @@ def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llam
   assert step == 10
   command = [*run, "--legacy-metadata"]
   kept = f"checkpoint step 10 kept ({tmp_path / 'checkpoints' / '10'})"
-  for at, where in (("compile", "capture"), ("training@11", "training (step 11)"),
-                    ("evaluation@12", "evaluation (step 12)")):
+  for at, where in (("compile", "capture"), ("evaluation@12", "evaluation (step 12)")):
     line = _interrupted("llama/train.py", env, at, *command)
     assert line.startswith(f"interrupted (Ctrl-C) during {where}: {kept}; continue with: "
                            "python "), line

@@ -279,9 +279,7 @@ def load_run(args: argparse.Namespace, preset: Preset, model: Llama, params: Par
     restored = checkpoints.restore(params, opt_state, keys, move_rejected=False)
   except NoCheckpoint as e:
     sys.exit(f"--init-from {args.init_from}: {e}. Its steps are left in place: pass the --out "
-             "of a trained run whose checkpoints restore"
-             + (" (this one's were saved by a model of other flags or code)"
-                if e.other_model else ""))
+             "of a trained run whose checkpoints restore")
   parts = [saved.embed, *saved.blocks, saved.head]
   for part, state in zip(parts, jg.flat.unravel(restored.params)):
     nnx.update(part, state)
