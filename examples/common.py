@@ -284,6 +284,7 @@ class Checkpoints:
     if fresh and jax.process_index() == 0:
       with interrupt.held():
         moved = move_aside(out)
+        interrupt.starting(out / "checkpoints", fresh=False)  # moved: --resume continues
       if moved is not None:
         print(f"--fresh: the earlier run in {out} moved to {moved} (kept: --out {moved} "
               "--resume continues it; delete it when you no longer need it)")

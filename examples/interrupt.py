@@ -57,7 +57,6 @@ class _Run:
   last_step: int | None = None  # the run's last step: a checkpoint there leaves nothing to train
   holding = 0  # depth of `held()`
   pending = False  # a Ctrl-C arrived inside `held()`
-  installed = False
 
 
 RUN = _Run()
@@ -161,7 +160,6 @@ def run(main: Callable[[list[str]], Any], argv: list[str], *, command: str,
   RUN.command, RUN.rerun = command, rerun
   if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _handler)
-    RUN.installed = True
   try:
     main(argv)
   except KeyboardInterrupt:

@@ -18,6 +18,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -1218,6 +1219,22 @@ def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(comm
   other = unraisable(RuntimeError("something else"))
   hook(other)
   assert seen == [other]
+
+
+def test_ctrl_c_inside_a_write_waits_for_it(common):
+  """examples/interrupt.py's handler: Ctrl-C inside `held()` (a save, metrics.json) is raised
+  when the write is done; elsewhere at once (the runs above: `_interrupted`)."""
+  interrupt = sys.modules["interrupt"]
+  written = []
+  with pytest.raises(KeyboardInterrupt):
+    with interrupt.held():
+      with interrupt.held():  # nested: the outermost write ends first
+        interrupt._handler(signal.SIGINT, None)
+        written.append("inner")
+      written.append("outer")
+  assert written == ["inner", "outer"] and not interrupt.RUN.pending
+  with pytest.raises(KeyboardInterrupt):
+    interrupt._handler(signal.SIGINT, None)
 
 
 def test_resume_command_continues_the_run(common, monkeypatch):
