@@ -300,7 +300,7 @@ def merge_adapters(adapted: Llama, model: Llama) -> None:
       for name in names:
         linear = getattr(getattr(block, holder), name)
         merged = linear.kernel[...] + linear.lora.lora_a[...] @ linear.lora.lora_b[...]
-        getattr(getattr(into, holder), name).kernel.value = merged
+        getattr(getattr(into, holder), name).kernel[...] = merged
 
 
 def start(args: argparse.Namespace, preset: Preset, model: Llama,
