@@ -116,9 +116,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--init-from", type=pathlib.Path, metavar="RUN_DIR",
                       help="a new run starting from the params of the newest intact checkpoint "
                            "of the run in RUN_DIR (its --out; digests verified), written to its "
-                           "own --out: fine-tuning, all params or with --lora adapters only. "
-                           "Pass that run's --preset, --untied, --text, --vocab, --flat and "
-                           "--plain-ends")
+                           "own --out: fine-tuning, all params or with --lora adapters only "
+                           "(a LoRA run's adapters merged into its kernels first). Pass that "
+                           "run's --preset, --untied, --text, --vocab, --flat and --plain-ends")
   parser.add_argument("--lora", type=int, metavar="RANK",
                       help="with --init-from: LoRA, rank-RANK adapters on every block's "
                            "attention and MLP projections (A random, B zero: the start is the "

@@ -22,6 +22,11 @@ With --flat (the default) the adapters are a buffer of their own in each block's
 one gradient buffer. Checkpoints hold the whole params (base and adapters), so a LoRA run
 resumes from its own --out without the base run; its metadata records where it started
 (`fine_tuning`), and metrics.json the base params' digest before and after (equal).
+
+A fine-tuned run is itself a run to start from: a LoRA run's adapters are merged into its
+kernels (`merge_adapters`: W + A @ B), and the merged model is fine-tuned whole or given new
+adapters (merged, not kept frozen beside them: one kernel per projection, so the step, the
+checkpoints and generation stay those of any run).
 """
 
 from __future__ import annotations
