@@ -7,6 +7,7 @@
   PYTHONPATH=. python examples/llama/train.py --preset gpu-1b # ~1B params on one 80 GB GPU
   ... --stop-after 40, then the same command with --resume    # bitwise the uninterrupted run
   ... --fresh           # a new run in an --out that holds one (moved to OUT/earlier-N/)
+  Ctrl-C, anywhere      # one line: the checkpoint step kept and the command that continues
   ... --check           # the same steps under one whole-step jax.jit, compared and timed
   ... --whole-step      # the same training loop through one whole-step jax.jit instead
   ... --rounds 5 --round-steps 40   # how tokens/s is measured (steady-state rounds)
