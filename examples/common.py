@@ -498,7 +498,7 @@ class Checkpoints:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))
     except Exception as e:  # tensorstore, missing items: one line is enough
-      if "tree structures do not match" in str(e):  # healthy, of another model's layout
+      if _says(e, "tree structures do not match"):  # healthy, of another model's layout
         return (f"{OTHER_MODEL} parts or buffers than this run's model (Orbax: the tree "
                 "structures do not match); it was saved by a model of other flags or code")
       return f"cannot be read ({reason(e)})"
@@ -533,6 +533,15 @@ class Checkpoints:
       shutil.move(str(self.directory / str(step)), destination)
     self._open()  # the manager caches the steps it found
     return destination
+
+
+def _says(error: BaseException | None, text: str) -> bool:
+  """Whether `error` or an error it was raised from holds `text`."""
+  while error is not None:
+    if text in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
