@@ -277,12 +277,13 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   (the run's last checkpoint) stay bitwise what they were, in the checkpoint and by digest
   before and after; the adapters train (Optax over them only) and the held-out loss drops
   from the loaded model's; a LoRA run resumed from its step-10 checkpoint ends bit for bit
-  as the uninterrupted one."""
+  as the uninterrupted one. A LoRA run is an --init-from too (its adapters merged): for LoRA
+  on LoRA, and for fine-tuning every param."""
   base, tuned, resumed = tmp_path / "base", tmp_path / "lora", tmp_path / "resumed"
   tiny = ["--preset", "tiny", "--generate", "0"]
   _run("llama/train.py", env, *tiny, "--out", str(base))
   lora = [*tiny, "--init-from", str(base), "--lora", "4"]
-  out = _run("llama/train.py", env, *lora, "--generate", "4", "--out", str(tuned))
+  out = _run("llama/train.py", env, *lora, "--out", str(tuned))
   trained = json.loads((base / "metrics.json").read_text())
   metrics = json.loads((tuned / "metrics.json").read_text())
   start = metrics["fine_tuning"]
@@ -308,7 +309,7 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   if jax.default_backend() == "cpu":  # a program with the adapters' matmuls added: bitwise
     assert eval_losses[0][1] == trained["eval_losses"][-1][1]
   assert eval_losses[-1][1] < eval_losses[0][1]
-  assert len(metrics["losses"]) == 12 and metrics["generation"]["continuation"]
+  assert len(metrics["losses"]) == 12
   # In the checkpoint: the base buffers bitwise the run's, the adapters trained.
   params, base_params = _final_params(tuned, 12), _final_params(base, 12)
   for path, value in base_params.items():
@@ -319,16 +320,17 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
 
   # A LoRA run is a run to start from: its adapters merged into its kernels (W + A @ B), then
   # new adapters over them (LoRA on LoRA), ...
-  again = tmp_path / "lora-on-lora"
+  stacked = tmp_path / "lora-on-lora"
   out = _run("llama/train.py", env, *tiny, "--init-from", str(tuned), "--lora", "4", "--steps",
-             "2", "--out", str(again))
+             "2", "--generate", "4", "--out", str(stacked))
   assert "it is a --lora 4 run: its adapters merged into the kernels (W + A @ B)" in out
-  merged = json.loads((again / "metrics.json").read_text())["fine_tuning"]
+  assert json.loads((stacked / "metrics.json").read_text())["generation"]["continuation"]
+  merged = json.loads((stacked / "metrics.json").read_text())["fine_tuning"]
   assert merged["merged_lora_rank"] == 4 and merged["params_sha256"] == metrics["params_sha256"]
   assert merged["base_params_sha256"] == merged["merged_params_sha256"] == (
       merged["base_params_sha256_after"])  # the merged kernels are the frozen base
   # The merged model computes what the LoRA run's did, to bf16 rounding.
-  start_loss = json.loads((again / "metrics.json").read_text())["eval_losses"][0]
+  start_loss = json.loads((stacked / "metrics.json").read_text())["eval_losses"][0]
   assert start_loss[0] == 0 and abs(start_loss[1] - eval_losses[-1][1]) < 1e-2
   # ... or every param trained (the start of such a run, in this process: no adapters left).
   args = llama.cli.parse(["--preset", "tiny", "--init-from", str(tuned), "--out",
