@@ -4,7 +4,8 @@ loss history, atomic JSON writes, the progress bar, a params digest, the loss pl
 
 Used by examples/train_gpt.py and the Llama example (examples/llama/). What a checkpoint is
 checked for, and the noise of a failed Orbax read or write kept quiet, are in
-checkpoint_checks.py; the progress bar is progress.py's (both imported here).
+checkpoint_checks.py; the progress bar is progress.py's (both imported here); what a
+Ctrl-C does, interrupt.py's (its writes here are held across one).
 """
 
 from __future__ import annotations
