@@ -4,7 +4,8 @@ loss history, atomic JSON writes, the progress bar, a params digest, the loss pl
 
 Used by examples/train_gpt.py and the Llama example (examples/llama/). What a checkpoint is
 checked for, and the noise of a failed Orbax read or write kept quiet, are in
-checkpoint_checks.py; the progress bar is progress.py's (both imported here).
+checkpoint_checks.py; the progress bar is progress.py's (both imported here); what a
+Ctrl-C does, interrupt.py's (its writes here are held across one).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jax.sharding import Sharding
 
 import jaxgraph as jg
 import jaxgraph.rng
+import interrupt
 from checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held, other_shapes,
                                quiet_closed_loops, reason, tree_digests)
 from progress import LogLines, close_bars, progress_bar  # noqa: F401 (LogLines: for users)
@@ -48,6 +50,11 @@ def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentPar
   parser.add_argument("--fresh", action="store_true",
                       help="start a new run in an --out that holds an earlier one: its "
                            "checkpoints and outputs are moved to OUT/earlier-N/ (kept)")
+  parser.add_argument("--legacy-metadata", action="store_true",
+                      help="read checkpoint steps whose metadata has no digest (written before "
+                           "metadata digests) as they are: their config and loss history "
+                           "unchecked (their arrays are checked as always); without it such a "
+                           "step is refused")
   parser.add_argument("--keep-checkpoints", type=int, default=KEEP, metavar="N",
                       help=f"how many of the newest checkpoint steps to keep (default: {KEEP}; "
                            "an older step is deleted when a newer one is saved)")
@@ -136,7 +143,7 @@ def move_aside(out: pathlib.Path) -> pathlib.Path | None:
 
 def resume_command(script: str, argv: Sequence[str]) -> str:
   """The command that continues the run `script` started with `argv`: the same flags
-  without --stop-after and --fresh, with --resume."""
+  without --stop-after and --fresh, with --resume (`given_command`: as given)."""
   flags, skip = [], False
   for arg in argv:
     if skip:
@@ -145,10 +152,16 @@ def resume_command(script: str, argv: Sequence[str]) -> str:
       skip = True
     elif not (arg.startswith("--stop-after=") or arg in ("--fresh", "--resume")):
       flags.append(arg)
+  return given_command(script, [*flags, "--resume"])
+
+
+def given_command(script: str, argv: Sequence[str]) -> str:
+  """`python script argv...`, the script shown from the working directory where it is
+  below it."""
   path = pathlib.Path(script).absolute()
-  with contextlib.suppress(ValueError):  # shown from the working directory where it is below it
+  with contextlib.suppress(ValueError):
     path = path.relative_to(pathlib.Path.cwd())
-  return shlex.join(["python", str(path), *flags, "--resume"])
+  return shlex.join(["python", str(path), *argv])
 
 
 class Corpus:
@@ -213,12 +226,25 @@ def stream_keys(streams: Streams, offset: int) -> list[jax.Array]:
           for i, (base, counter) in enumerate(streams)]
 
 
+# How a step saved by another model's arrays is described (`other_shapes` too): not damage.
+OTHER_MODEL = "holds arrays of other"
+
+
 class CheckpointWarning(UserWarning):
   """A checkpoint could not be restored or failed its digest; an earlier one is tried."""
 
 
 class NoCheckpoint(RuntimeError):
-  """--resume found checkpoints, but none that restores and passes its digest."""
+  """Checkpoints were found, but none that restores and passes its digests (the message
+  lists each step and its problem; what to do depends on the caller: `Checkpoints.resume`).
+
+  Attributes:
+    other_model: every step was saved by a model of other shapes or layout (not damage).
+  """
+
+  def __init__(self, message: str, *, other_model: bool = False):
+    super().__init__(message)
+    self.other_model = other_model
 
 
 class Restored(NamedTuple):
@@ -250,26 +276,36 @@ class Checkpoints:
 
   @classmethod
   def for_run(cls, out: pathlib.Path, *, fresh: bool, command: str,
-              host: Callable[[Any], Any] | None = None, keep: int = KEEP) -> "Checkpoints":
+              host: Callable[[Any], Any] | None = None, keep: int = KEEP,
+              legacy_metadata: bool = False) -> "Checkpoints":
     """The checkpoints of a run writing to `out` (`check_out` checked it), the newest `keep`
     steps kept; with `fresh`, an earlier run's outputs are moved aside first (by process 0,
     the others wait for it). `command` continues the run: messages about a failed write
-    name it."""
+    name it; `legacy_metadata`: as `__init__`'s."""
     if fresh and jax.process_index() == 0:
-      moved = move_aside(out)
+      with interrupt.held():
+        moved = move_aside(out)
+        interrupt.starting(out / "checkpoints", fresh=False)  # moved: --resume continues
       if moved is not None:
         print(f"--fresh: the earlier run in {out} moved to {moved} (kept: --out {moved} "
               "--resume continues it; delete it when you no longer need it)")
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("examples.common.Checkpoints.for_run")
-    return cls(out / "checkpoints", host=host, command=command, keep=keep)
+    return cls(out / "checkpoints", host=host, command=command, keep=keep, own=True,
+               legacy_metadata=legacy_metadata)
 
   def __init__(self, directory: pathlib.Path, *, host: Callable[[Any], Any] | None = None,
-               command: str | None = None, keep: int = KEEP):
+               command: str | None = None, keep: int = KEEP, own: bool = False,
+               legacy_metadata: bool = False):
     self.directory = directory.absolute()
+    # --legacy-metadata: a step whose metadata has no digest is read unchecked, not refused.
+    self.legacy_metadata = legacy_metadata
     self._host = host or (lambda tree: tree)
     self.command = command
     self.keep = keep
+    # The run's own checkpoints: Orbax removes the temporary folder of a save that a kill (or
+    # a second Ctrl-C) cut short. Not in another run's (--init-from: it may be saving now).
+    self.own = own
     self.rejected = self.directory.parent / "checkpoints-rejected"
     quiet_closed_loops()  # before the first read or write: a failure's stragglers print late
     self._open()
@@ -278,7 +314,8 @@ class Checkpoints:
     # The item handlers named: `item_metadata` then reads the saved arrays' shapes.
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep, enable_async_checkpointing=False),
+            max_to_keep=self.keep, enable_async_checkpointing=False,
+            cleanup_tmp_directories=self.own),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
     self.saved = self.manager.latest_step()  # the newest step on disk
@@ -307,7 +344,8 @@ class Checkpoints:
     """Around writing an output beside the checkpoints (metrics.json, loss.png): a failure
     (a full disk) ends the run with one message that names `path` and the last step saved."""
     try:
-      yield
+      with interrupt.held():  # Ctrl-C waits for the file (loss.png is not written atomically)
+        yield
     except OSError as e:
       self._stop(f"could not write {path}", e)
 
@@ -322,22 +360,31 @@ class Checkpoints:
   def save(self, step: int, params: Any, opt_state: Any, streams: Streams,
            meta: dict[str, Any]) -> None:
     """Saves step `step`: the state, and `meta` (JSON: config, loss history) with the
-    state's digests, in one Orbax step."""
-    tree = self._tree(params, opt_state, streams)
-    meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
-    meta[META_DIGEST] = meta_digest(meta)
-    try:
-      with orbax_errors_held():
-        saved = self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
-    except Exception as e:  # a full disk (tensorstore's ValueError), OSError, ...
-      quiet_closed_loops()
-      self._stop(f"could not save checkpoint step {step} in {self.directory}", e)
+    state's digests, in one Orbax step. A Ctrl-C waits for the step to be written
+    (`interrupt.held`)."""
+    with interrupt.held():
+      interrupt.point("save", step)
+      tree = self._tree(params, opt_state, streams)
+      meta = {**meta, "step": step, "digests": tree_digests(self._host(tree))}
+      meta[META_DIGEST] = meta_digest(meta)
+      try:
+        with orbax_errors_held():
+          saved = self.manager.save(step, args=ocp.args.Composite(
+              state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+      except Exception as e:  # a full disk (tensorstore's ValueError), OSError, ...
+        quiet_closed_loops()
+        self._stop(f"could not save checkpoint step {step} in {self.directory}", e)
+      if saved:
+        self.saved = step
     if not saved:
       raise RuntimeError(f"Orbax skipped saving step {step}: {self.directory} already holds "
                          f"step {self.manager.latest_step()}. Continue it with --resume, or "
                          "start afresh with --fresh (it is moved aside, not deleted).")
-    self.saved = step
+
+  def meta_problems(self) -> list[tuple[int, str]]:
+    """Each step whose metadata does not read or pass its digest, and what is wrong."""
+    found = [(step, self._meta(step)) for step in sorted(self.manager.all_steps())]
+    return [(step, meta) for step, meta in found if isinstance(meta, str)]
 
   def latest_meta(self) -> tuple[int, dict[str, Any]] | None:
     """The newest step whose metadata reads and matches its digest, and that metadata
@@ -357,7 +404,12 @@ class Checkpoints:
       meta = dict(restored["meta"])
     except Exception as e:  # JSON, a missing item: one line is enough
       return f"cannot be read ({reason(e)})"
-    saved = meta.get(META_DIGEST)  # None: written before metadata digests, read as it is
+    saved = meta.get(META_DIGEST)
+    if saved is None and not self.legacy_metadata:  # never taken on trust unasked
+      return (f"has metadata without its digest ({META_DIGEST}: written before metadata "
+              "digests, or the digest removed), so its config and loss history cannot be "
+              "checked; pass --legacy-metadata to read such a step unchecked (its arrays are "
+              "checked as always)")
     if saved is not None and saved != meta_digest(meta):
       return ("has metadata that does not match its digest (its config, loss history or "
               "array digests were changed after the save)")
@@ -386,7 +438,11 @@ class Checkpoints:
     try:
       restored = self.restore(params, opt_state, streams)
     except NoCheckpoint as e:
-      sys.exit(f"--resume: {e}")
+      sys.exit(f"--resume: {e}. The steps are left in place: "
+               + ("resume with the model (code, preset and flags) that saved them, or "
+                  if e.other_model else "")
+               + "start afresh with --fresh instead of --resume (they are moved aside, not "
+               "deleted)")
     if restored is None:
       print("no checkpoint to resume from; starting at step 0")
     return restored
@@ -416,14 +472,10 @@ class Checkpoints:
         return found
       failures.append((step, found))
     if failures:
-      shapes = all("other shapes" in problem for _, problem in failures)
       raise NoCheckpoint(f"no checkpoint in {self.directory} restores intact: "
-                         + "; ".join(f"step {step} {problem}" for step, problem in failures)
-                         + ". The steps are left in place: "
-                         + ("resume with the model (code, preset and flags) that saved them, "
-                            "or " if shapes else "")
-                         + "start afresh with --fresh instead of --resume (they are moved "
-                         "aside, not deleted)")
+                         + "; ".join(f"step {step} {problem}" for step, problem in failures),
+                         other_model=all(problem.startswith(OTHER_MODEL)
+                                         for _, problem in failures))
     return None
 
   def _check(self, step: int, target: dict[str, Any]) -> Restored | str:
@@ -447,6 +499,9 @@ class Checkpoints:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))
     except Exception as e:  # tensorstore, missing items: one line is enough
+      if _says(e, "tree structures do not match"):  # healthy, of another model's layout
+        return (f"{OTHER_MODEL} parts or buffers than this run's model (Orbax: the tree "
+                "structures do not match); it was saved by a model of other flags or code")
       return f"cannot be read ({reason(e)})"
     state = restored["state"]
     found = tree_digests(self._host(state))
@@ -475,9 +530,19 @@ class Checkpoints:
     suffix = 1
     while destination.exists():
       destination, suffix = self.rejected / f"{step}.{suffix}", suffix + 1
-    shutil.move(str(self.directory / str(step)), destination)
+    with interrupt.held():
+      shutil.move(str(self.directory / str(step)), destination)
     self._open()  # the manager caches the steps it found
     return destination
+
+
+def _says(error: BaseException | None, text: str) -> bool:
+  """Whether `error` or an error it was raised from holds `text`."""
+  while error is not None:
+    if text in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
@@ -498,11 +563,13 @@ def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
 def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dict[str, Any],
                  steps: int, stop: int,
                  shown: Callable[[dict[str, Any]], dict[str, Any]] = dict,
-                 finished: str = "") -> None:
+                 finished: str = "", legacy_metadata: bool = False) -> None:
   """With --resume: refuses (`parser.error`) a checkpoint past `steps`, or one saved by a
-  run whose config differs from `config` (names the flags that differ); for an intact
+  run whose config differs from `config` (names the flags that differ), or steps whose
+  metadata has no digest (without `legacy_metadata`: --legacy-metadata); for an intact
   checkpoint at `steps`, says that nothing is left to train and exits (status 0), before
-  anything is built and without writing anything (`finished`: what to do instead).
+  anything is built (`finished`: what to do instead), writing nothing but a missing or
+  damaged metrics.json (`restore_metrics`).
 
   `config` maps flag names (`dropout`, `plain_ends`, ...) to values; it is what `save`'s
   metadata holds under "config". `shown` gives the values a config stands for, as the
@@ -512,8 +579,14 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
   directory = out / "checkpoints"
   if not directory.is_dir():
     return
-  latest = Checkpoints(directory).latest_meta()
+  checkpoints = Checkpoints(directory, legacy_metadata=legacy_metadata)
+  latest = checkpoints.latest_meta()
   if latest is None:
+    undigested = [f"step {step} {problem}" for step, problem in checkpoints.meta_problems()
+                  if "without its digest" in problem]
+    if undigested:
+      parser.error(f"--resume: no checkpoint in {directory} has metadata that can be checked: "
+                   + "; ".join(undigested))
     return
   step, meta = latest
   if step > steps:
@@ -537,11 +610,33 @@ def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dic
                  + ", ".join(differ) + ". Pass the checkpoint's flags to continue it, or "
                  "another --out for a new run")
   # A damaged last step is rejected by the resume, which then trains from the one before.
-  if step == steps and jax.process_count() == 1 and Checkpoints(directory).intact(step):
+  if step == steps and jax.process_count() == 1 and checkpoints.intact(step):
+    restored = restore_metrics(out / "metrics.json", meta)
     print(f"--resume: the checkpoint in {directory} is at step {step}, the run's last "
-          f"(--steps {steps}): nothing left to train; nothing was built or written."
+          f"(--steps {steps}): nothing left to train; nothing was built"
+          + (f", and {restored}." if restored else " or written.")
           + (f" {finished}" if finished else ""))
     sys.exit(0)
+
+
+def restore_metrics(path: pathlib.Path, meta: dict[str, Any]) -> str | None:
+  """A finished run's metrics.json, when missing or damaged (unreadable, or a history other
+  than its last checkpoint's), written again from that checkpoint's `meta` (its step and
+  loss history: what a checkpoint holds of it); what was done, or None if it was whole."""
+  history = {key: meta[key] for key in ("losses", "eval_losses") if key in meta}
+  missing = not path.exists()
+  try:
+    found = json.loads(path.read_text())
+    whole = all(found.get(key) == value for key, value in history.items())
+  except (OSError, ValueError, AttributeError):  # missing, truncated, not an object
+    found, whole = None, False
+  if whole:
+    return None
+  write_json(path, {"step": meta["step"], **history}, indent=1)
+  return (f"{path} was {'missing' if missing else 'damaged'}: "
+          f"written again from step {meta['step']}'s checkpoint (its step and "
+          f"{' and '.join(history) or 'nothing else'}; the run's other records, such as "
+          "tokens/s, are not in checkpoints)")
 
 
 def params_digest(params: Any) -> str:

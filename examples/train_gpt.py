@@ -43,12 +43,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+import interrupt
 import jaxgraph as jg
 import jaxgraph.flax as jgf
 import vocabulary as vocab_lib
 from common import (Checkpoints, Corpus, Streams, check_out, check_resume, check_steps,
-                    params_digest, plot, progress_bar, resume_command, run_parser, stream_keys,
-                    stream_positions, write_json)
+                    given_command, params_digest, plot, progress_bar, resume_command,
+                    run_parser, stream_keys, stream_positions, write_json)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
@@ -318,13 +319,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   check_steps(parser, args, total)
   check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   if args.resume:
-    check_resume(parser, args.out, run_config(args), total, min(total, args.stop_after or total))
+    check_resume(parser, args.out, run_config(args), total, min(total, args.stop_after or total),
+                 legacy_metadata=args.legacy_metadata)
   return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse(argv)
   command = resume_command(__file__, sys.argv[1:] if argv is None else argv)
+  interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
   preset = PRESETS[args.preset]
   total = args.steps or preset.steps
   stop = min(total, args.stop_after or total)
@@ -348,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  + [(params[-1], x, targets)])
   timer = LayerTimer()
   begin = time.perf_counter()
+  interrupt.point("capture")
   layers = jg.make_graphed(list(fns), timer.hooks(), sample_args=sample_args,
                            rng=jax.random.key(args.seed))
   capture_seconds = time.perf_counter() - begin
@@ -367,10 +371,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   update = make_update(tx).lower(params, opt_state, params).compile()
 
   checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
-                                    keep=args.keep_checkpoints)
+                                    keep=args.keep_checkpoints,
+                                    legacy_metadata=args.legacy_metadata)
+  interrupt.watch(checkpoints, command=command, last_step=total)
   metrics_path = args.out / "metrics.json"
   first, losses = 0, []
   if args.resume:
+    interrupt.point("restore")
     restored = checkpoints.resume(params, opt_state, stream_positions(layers))
     if restored is not None:
       first, params, opt_state = restored.step, restored.params, restored.opt_state
@@ -389,6 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   mark, mark_step = time.perf_counter(), first
   bar = progress_bar(range(first + 1, stop + 1), total=total)
   for step in bar:
+    interrupt.point("training", step)
     tokens, targets = corpus.batch_at(step)
     timer.armed = step % preset.log_every == 0
     params, opt_state, loss = graphed_step(layers, update, params, opt_state, tokens, targets)
@@ -431,6 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{row.get('backward', float('nan')):8.3f}")
 
   if args.check and run_steps:
+    interrupt.point("check")
     check = compare_with_whole_step(layers, tx, check_start, corpus, range(first + 1, stop + 1),
                                     losses[first:], params)
     result["check"] = check
@@ -445,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "GEMM algorithms); training then amplifies the last-bit differences. Per layer "
             "the math is bitwise the same (tests/test_flax.py).")
 
+  interrupt.point("outputs")
   with checkpoints.writing(args.out / "loss.png"):
     plot(losses, args.out / "loss.png", f"char GPT ({args.preset}), graphed per layer")
   with checkpoints.writing(metrics_path):
@@ -453,6 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{result['tokens_per_second'] or 0:,.0f} tok/s; wrote {args.out / 'loss.png'}, "
         f"{metrics_path}, {checkpoints.directory} ({checkpoints.kept()})")
   if args.sample:
+    interrupt.point("generation")
     print("sample:\n" + sample(model, params, corpus, args.sample, args.seed))
   if stop < total:
     print(f"stopped after step {stop} of {total} (--stop-after); continue with: {command}")
@@ -460,4 +471,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  interrupt.run(main, sys.argv[1:], command=resume_command(__file__, sys.argv[1:]),
+                rerun=given_command(__file__, sys.argv[1:]))

@@ -69,10 +69,12 @@ def _drop_unit_axes(entry: Any, sizes: Any) -> Any:
 
 
 def _default_device(setting: Any) -> jax.Device:
-  """The device of JAX's `jax_default_device` setting: a device, a platform name, or None."""
+  """The device of JAX's `jax_default_device` setting: a device, a platform name, or None.
+  This process's first device, as JAX places an array (with several processes,
+  `jax.devices()[0]` is process 0's: process 1's arrays looked placed elsewhere)."""
   if isinstance(setting, str):
-    return jax.devices(setting)[0]
-  return setting if setting is not None else jax.devices()[0]
+    return jax.local_devices(backend=setting)[0]
+  return setting if setting is not None else jax.local_devices()[0]
 
 
 def _unplaced(setting: Any) -> frozenset[Sharding]:

@@ -19,6 +19,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,30 @@ def _continue(out: str, env: dict[str, str]) -> str:
   return _run(str(pathlib.Path(script).absolute()), env, *args)
 
 
+# Runs a script with SIGINT handled as in a terminal (a test runner's child may inherit it
+# ignored, which the examples leave ignored).
+_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def _interrupted(script: str, env: dict[str, str], at: str, *args: str) -> str:
+  """Runs an example that gets Ctrl-C (SIGINT) at `at`: a point of examples/interrupt.py
+  (NAME or NAME@STEP), or "compile" (inside an XLA compile). Checks that it ends with one
+  line, status 130, no traceback or crash, and no temporary checkpoint folder left in its
+  --out; returns that line."""
+  result = subprocess.run([sys.executable, "-c", _SIGINT_DEFAULT, str(EXAMPLES / script),
+                           *args], env={**env, "EXAMPLES_INTERRUPT_AT": at},
+                          capture_output=True, text=True, timeout=600)
+  out = result.stdout + result.stderr
+  assert result.returncode == 130, out
+  assert "Traceback" not in out and "Segmentation" not in out and "Error" not in out, out
+  line = result.stderr.strip().splitlines()[-1]
+  assert sum("Ctrl-C" in l for l in out.splitlines()) == 1 and "Ctrl-C" in line, out
+  checkpoints = pathlib.Path(args[args.index("--out") + 1]) / "checkpoints"
+  assert not [p.name for p in checkpoints.glob("*") if not p.name.isdigit()]
+  return line
+
+
 def _data_files(step: pathlib.Path) -> list[pathlib.Path]:
   """The array data files of an Orbax step (tensorstore's `d/` chunks), largest first."""
   return sorted((p for p in (step / "state").rglob("d/*") if p.is_file()),
@@ -100,10 +125,14 @@ def test_train_gpt_trains_checkpoints_and_resumes_bitwise(tmp_path, env):
   # On GPU the fusions differ more, and 12 Adam steps carry the difference on: 10x more room.
   assert metrics["check"]["max_loss_diff"] < (1e-4 if jax.default_backend() == "cpu" else 1e-3)
 
-  out = _run("train_gpt.py", env, *common, "--out", str(parts), "--stop-after", "5")
+  # Ctrl-C in the sample of a run stopped at step 5: one line, and the command it names
+  # continues the run (Ctrl-C elsewhere: the Llama test below; the same examples/interrupt.py).
+  line = _interrupted("train_gpt.py", env, "generation", *common[:-1], "4", "--out",
+                      str(parts), "--stop-after", "5")
+  assert line.startswith(f"interrupted (Ctrl-C) during generation: checkpoint step 5 kept "
+                         f"({parts.absolute() / 'checkpoints' / '5'}); continue with: python ")
   assert len(json.loads((parts / "metrics.json").read_text())["losses"]) == 5
-  assert "stopped after step 5 of 12 (--stop-after); continue with: python " in out
-  out = _continue(out, env)
+  out = _continue(line.replace("--sample 4", "--sample 0"), env)
   assert "resumed from step 5" in out
   resumed = json.loads((parts / "metrics.json").read_text())
   assert resumed["losses"] == losses  # floats written from float32: equal means bitwise
@@ -251,12 +280,13 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   (the run's last checkpoint) stay bitwise what they were, in the checkpoint and by digest
   before and after; the adapters train (Optax over them only) and the held-out loss drops
   from the loaded model's; a LoRA run resumed from its step-10 checkpoint ends bit for bit
-  as the uninterrupted one."""
+  as the uninterrupted one. A LoRA run is an --init-from too (its adapters merged): for LoRA
+  on LoRA, and for fine-tuning every param."""
   base, tuned, resumed = tmp_path / "base", tmp_path / "lora", tmp_path / "resumed"
   tiny = ["--preset", "tiny", "--generate", "0"]
   _run("llama/train.py", env, *tiny, "--out", str(base))
   lora = [*tiny, "--init-from", str(base), "--lora", "4"]
-  out = _run("llama/train.py", env, *lora, "--generate", "4", "--out", str(tuned))
+  out = _run("llama/train.py", env, *lora, "--out", str(tuned))
   trained = json.loads((base / "metrics.json").read_text())
   metrics = json.loads((tuned / "metrics.json").read_text())
   start = metrics["fine_tuning"]
@@ -282,7 +312,7 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   if jax.default_backend() == "cpu":  # a program with the adapters' matmuls added: bitwise
     assert eval_losses[0][1] == trained["eval_losses"][-1][1]
   assert eval_losses[-1][1] < eval_losses[0][1]
-  assert len(metrics["losses"]) == 12 and metrics["generation"]["continuation"]
+  assert len(metrics["losses"]) == 12
   # In the checkpoint: the base buffers bitwise the run's, the adapters trained.
   params, base_params = _final_params(tuned, 12), _final_params(base, 12)
   for path, value in base_params.items():
@@ -290,6 +320,32 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   adapters = [path for path in params if "lora" in path]
   assert adapters == ["[1]['lora.float32']", "[2]['lora.float32']"]
   assert all(np.any(params[path] != 0) for path in adapters)
+
+  # A LoRA run is a run to start from: its adapters merged into its kernels (W + A @ B), then
+  # new adapters over them (LoRA on LoRA), ...
+  stacked = tmp_path / "lora-on-lora"
+  out = _run("llama/train.py", env, *tiny, "--init-from", str(tuned), "--lora", "4", "--steps",
+             "2", "--generate", "4", "--out", str(stacked))
+  assert "it is a --lora 4 run: its adapters merged into the kernels (W + A @ B)" in out
+  assert json.loads((stacked / "metrics.json").read_text())["generation"]["continuation"]
+  merged = json.loads((stacked / "metrics.json").read_text())["fine_tuning"]
+  assert merged["merged_lora_rank"] == 4 and merged["params_sha256"] == metrics["params_sha256"]
+  assert merged["base_params_sha256"] == merged["merged_params_sha256"] == (
+      merged["base_params_sha256_after"])  # the merged kernels are the frozen base
+  # The merged model computes what the LoRA run's did, to bf16 rounding.
+  start_loss = json.loads((stacked / "metrics.json").read_text())["eval_losses"][0]
+  assert start_loss[0] == 0 and abs(start_loss[1] - eval_losses[-1][1]) < 1e-2
+  # ... or every param trained (the start of such a run, in this process: no adapters left).
+  args = llama.cli.parse(["--preset", "tiny", "--init-from", str(tuned), "--out",
+                          str(tmp_path / "full")])
+  preset = llama.presets.resolve(args)
+  corpus, _ = llama.train.load_text(args, preset, None)
+  model, fns, full, _ = llama.train.build_model(args, preset, corpus)
+  full, placement = llama.train.place(full, args.flat, None, model.config.compute_dtype)
+  fns, full, tuning = llama.lora.start(args, preset, model, fns, full, placement)
+  assert tuning.masks is None and tuning.meta["merged_lora_rank"] == 4
+  assert all(spec.group != "lora" for p in full for spec in p.layout.buffers)
+  assert tuning.meta["merged_params_sha256"] == merged["merged_params_sha256"]
 
   shutil.copytree(tuned, resumed)
   shutil.rmtree(resumed / "checkpoints" / "12")  # as if stopped after step 10's checkpoint
@@ -313,6 +369,9 @@ def test_llama_lora_and_init_from_flags_are_checked_first(llama, common, capsys,
   assert "--lora RANK fine-tunes a trained run: pass --init-from RUN_DIR" in refused(
       "--lora", "4")
   assert "--lora takes a rank >= 1, got 0" in refused("--lora", "0", "--init-from", str(run))
+  assert ("--lora 17 is above the rank the model's projections can have: the narrowest adapted "
+          "one (key/value, 32 x 16) has rank at most 16 (the preset's width is 32)") in refused(
+              "--lora", "17", "--init-from", str(run))
   for flags, dropped in ((["--whole-step"], "--whole-step"), (["--check"], "--check"),
                          (["--offload", "all"], "--offload"), (["--fsdp", "2"], "--fsdp")):
     assert f"{dropped} is not supported with it: drop {dropped}" in refused(
@@ -329,6 +388,18 @@ def test_llama_lora_and_init_from_flags_are_checked_first(llama, common, capsys,
   args = llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "out"), "--init-from",
                           str(run), "--lora", "4"])
   assert args.check is False  # a LoRA run is not --check'ed, whatever the preset
+  # Its metadata passes, its arrays are not this model's: one line when the run loads them.
+  preset = llama.presets.resolve(args)
+  corpus, _ = llama.train.load_text(args, preset, None)
+  model, fns, params, _ = llama.train.build_model(args, preset, corpus)
+  params, placement = llama.train.place(params, args.flat, None, model.config.compute_dtype)
+  with pytest.raises(SystemExit) as exit:
+    llama.lora.start(args, preset, model, fns, params, placement)
+  assert exit.value.code == (
+      f"--init-from {run}: no checkpoint in {run.absolute() / 'checkpoints'} restores intact: "
+      "step 12 holds arrays of other parts or buffers than this run's model (Orbax: the tree "
+      "structures do not match); it was saved by a model of other flags or code. Its steps "
+      "are left in place: pass the --out of a trained run whose checkpoints restore")
 
 
 # ------------------------------------------------- the numbers of earlier versions, pinned
@@ -356,22 +427,46 @@ def test_llama_tiny_preset_computes_the_golden_numbers(tmp_path, env):
   assert metrics["generation"]["continuation"] == golden["continuation"]
 
 
-def test_llama_resumes_a_checkpoint_written_before_the_split(common, tmp_path, env):
+def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llama, common,
+                                                                           capsys, tmp_path,
+                                                                           env):
   """The step-10 checkpoint of that golden run, as the example at ac11c78 wrote it, resumes
-  (its layout, config, vocabulary and digests are this version's); where the golden numbers
-  were recorded, the resumed run ends bit for bit as the golden run did."""
+  with --legacy-metadata (its layout, config, vocabulary and array digests are this
+  version's; its metadata has no digest, and is refused without the flag). The resumed run
+  gets Ctrl-C inside the capture's first compile, in step 12's evaluation (steps 11 and 12
+  trained, not saved) and in its save: each time one line, status 130, and the command it names goes on; the last one
+  finds the run finished and writes the missing metrics.json from its checkpoint. Where the
+  golden numbers were recorded, the losses are bit for bit the golden run's."""
   shutil.copytree(llama_golden.CHECKPOINT, tmp_path / "checkpoints")
-  step, saved = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
-  out = _run("llama/train.py", env, "--preset", "tiny", "--generate", "0", "--out",
-             str(tmp_path), "--resume")
-  assert step == 10 and "resumed from step 10" in out  # restored, digests verified
+  run = ["--preset", "tiny", "--out", str(tmp_path), "--resume"]
+  with pytest.raises(SystemExit):
+    llama.cli.parse(run)
+  assert (f"--resume: no checkpoint in {tmp_path / 'checkpoints'} has metadata that can be "
+          "checked: step 10 has metadata without its digest") in capsys.readouterr().err
+  step, saved = common.Checkpoints(tmp_path / "checkpoints",
+                                   legacy_metadata=True).latest_meta()
+  assert step == 10
+  command = [*run, "--legacy-metadata"]
+  kept = f"checkpoint step 10 kept ({tmp_path / 'checkpoints' / '10'})"
+  for at, where in (("compile", "capture"), ("evaluation@12", "evaluation (step 12)")):
+    line = _interrupted("llama/train.py", env, at, *command)
+    assert line.startswith(f"interrupted (Ctrl-C) during {where}: {kept}; continue with: "
+                           "python "), line
+    assert line.endswith(shlex.join(command[:-2] + ["--legacy-metadata", "--resume"]))
+  line = _interrupted("llama/train.py", env, "save@12", *command)  # held until it is written
+  assert line.startswith("interrupted (Ctrl-C) during a checkpoint save (step 12): every step "
+                         f"is trained, checkpoint step 12 kept ({tmp_path / 'checkpoints' / '12'})"
+                         "; nothing is left to train"), line
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "12"]
+  assert not (tmp_path / "metrics.json").exists()  # the Ctrl-C came before it
+  out = _run("llama/train.py", env, *command)
+  assert f"{tmp_path / 'metrics.json'} was missing: written again from step 12's" in out
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   assert metrics["losses"][:10] == saved["losses"] and len(metrics["losses"]) == 12
   golden = llama_golden.expected()
   if not isinstance(golden, str):  # else steps 11 and 12 ran on another machine's numerics
     assert metrics["losses"] == golden["losses"]
     assert metrics["eval_losses"] == golden["eval_losses"]
-    assert metrics["params_sha256"] == golden["params_sha256"]
 
 
 # ------------------------------------------------------------------------------- --fsdp
@@ -500,10 +595,17 @@ def test_llama_fsdp_two_processes_agree_with_one(fsdp_run, tmp_path, env):
   out, metrics, _ = fsdp_run
   port = free_port()
   logs = run_processes([[sys.executable, str(EXAMPLES / "llama" / "train.py"), *FSDP,
-                         *_process(i, 2, port), "--generate", "0", "--out", str(tmp_path)]
+                         *_process(i, 2, port), "--generate", "2", "--out", str(tmp_path)]
                         for i in range(2)], _cpu_env(env, 4), timeout=300)
   for log in logs:
     assert "sharded over 8 cpu devices of 2 process(es)" in log
+    # Generation's layers, captured for the arrays of this process's first device, replay
+    # them on process 1 too (its arrays were taken for placed ones: a recapture warned).
+    assert "captured a new input signature" not in log
+  # Each line says what its process wrote: loss.png and metrics.json are process 0's.
+  assert f"wrote {tmp_path / 'loss.png'}" in logs[0]
+  assert "loss.png" not in logs[1].replace("process 0 wrote loss.png", "")
+  assert "process 1 wrote its shards of" in logs[1]
   found = json.loads((tmp_path / "metrics.json").read_text())  # written by process 0
   assert found["fsdp"]["processes"] == 2
   assert found["stats"]["train Block[1]"]["captures"] == 1
@@ -701,6 +803,9 @@ def _corrupt(kind: str, step: pathlib.Path) -> None:
     _edit_meta(step, lambda text: text.replace("1.25", "1.75", 1))
   elif kind == "meta_seed_bit":  # one bit of the saved seed flipped: "seed": 0 reads as 1
     _edit_meta(step, lambda text: text.replace('"seed": 0', '"seed": 1', 1))
+  elif kind == "meta_digest_renamed":  # its digest's key renamed, a saved loss changed
+    _edit_meta(step, lambda text: text.replace('"meta_sha256"', '"meta_sha257"').replace(
+        "1.25", "1.75", 1))
 
 
 def _edit_meta(step: pathlib.Path, edit: Any) -> None:
@@ -718,7 +823,8 @@ DAMAGE = {"flipped": r"does not match its digests|ValueError: DATA_LOSS",
           "truncated": "ValueError: OUT_OF_RANGE", "deleted": "ValueError: NOT_FOUND",
           "empty_dir": 'KeyError: .Item "meta" was not found', "empty_meta": "JSONDecodeError",
           "meta_loss_digit": "has metadata that does not match its digest",
-          "meta_seed_bit": "has metadata that does not match its digest"}
+          "meta_seed_bit": "has metadata that does not match its digest",
+          "meta_digest_renamed": "has metadata without its digest .* pass --legacy-metadata"}
 
 
 def _meta(step: int) -> dict[str, Any]:
@@ -751,7 +857,9 @@ def test_corrupt_latest_checkpoint_is_named_and_the_previous_restored(common, tm
 
 def test_a_history_that_does_not_fit_its_step_is_rejected(common, tmp_path):
   """A loss dropped from a step's metadata: with the metadata's digest, the digest tells;
-  in a step saved before metadata digests (none in it), the count of losses does."""
+  in a step saved before metadata digests (none in it), read with --legacy-metadata (else
+  refused: `test_corrupt_latest_checkpoint_is_named_and_the_previous_restored`), the count
+  of losses does."""
   checkpoints = common.Checkpoints(tmp_path / "checkpoints", keep=3)
   for step in (10, 20, 30):
     checkpoints.save(step, *_state(float(step)), _meta(step))
@@ -763,7 +871,8 @@ def test_a_history_that_does_not_fit_its_step_is_rejected(common, tmp_path):
       del meta[common.META_DIGEST]
     path.write_text(json.dumps(meta))
   with pytest.warns(common.CheckpointWarning) as found:
-    restored = common.Checkpoints(tmp_path / "checkpoints").restore(*_state(0.0))
+    restored = common.Checkpoints(tmp_path / "checkpoints",
+                                  legacy_metadata=True).restore(*_state(0.0))
   assert restored.step == 10 and len(restored.meta["losses"]) == 10
   assert [str(w.message).split(";")[0] for w in found] == [
       f"checkpoint step 30 in {tmp_path / 'checkpoints'} has metadata that does not match its "
@@ -785,10 +894,12 @@ def test_no_intact_checkpoint_is_one_error(common, tmp_path):
   checkpoints = common.Checkpoints(tmp_path / "checkpoints")
   checkpoints.save(10, *_state(1.0), _meta(10))
   _flip_bytes(tmp_path / "checkpoints" / "10")
-  with pytest.raises(common.NoCheckpoint,
-                     match=r"restores intact: step 10 .* start afresh with --fresh instead "
-                           r"of --resume \(they are moved aside, not deleted\)"):
+  with pytest.raises(common.NoCheckpoint, match=r"restores intact: step 10 ") as found:
     checkpoints.restore(*_state(0.0))
+  assert "--fresh" not in str(found.value)  # advice is the caller's: --resume's, below
+  with pytest.raises(SystemExit, match=r"^--resume: no checkpoint .* start afresh with --fresh "
+                     r"instead of --resume \(they are moved aside, not deleted\)$"):
+    checkpoints.resume(*_state(0.0))
   assert (tmp_path / "checkpoints" / "10").is_dir()  # left in place: maybe the code is wrong
 
 
@@ -917,15 +1028,20 @@ def test_llama_resume_reads_verified_metadata_and_stops_a_finished_run_first(lla
   finished = tmp_path / "finished"
   common.Checkpoints(finished / "checkpoints").save(40, *_state(1.0),
                                                     {**meta, "losses": [1.25] * 40})
-  (finished / "metrics.json").write_text("{}")
-  with pytest.raises(SystemExit) as exit:
-    llama.cli.parse([*run[:2], "--out", str(finished), *run[4:]])
-  assert exit.value.code in (0, None)
-  assert capsys.readouterr().out.strip() == (
-      f"--resume: the checkpoint in {finished / 'checkpoints'} is at step 40, the run's last "
-      "(--steps 40): nothing left to train; nothing was built or written. To train on from "
-      f"its params, start a new run from it: --init-from {finished} and another --out")
-  assert (finished / "metrics.json").read_text() == "{}"
+  (finished / "metrics.json").write_text("{}")  # damaged: restored from the checkpoint
+  finish = f"To train on from its params, start a new run from it: --init-from {finished} " \
+           "and another --out"
+  for written in (f", and {finished / 'metrics.json'} was damaged: written again from step "
+                  "40's checkpoint (its step and losses; the run's other records, such as "
+                  "tokens/s, are not in checkpoints).", " or written."):
+    with pytest.raises(SystemExit) as exit:
+      llama.cli.parse([*run[:2], "--out", str(finished), *run[4:]])
+    assert exit.value.code in (0, None)
+    assert capsys.readouterr().out.strip() == (
+        f"--resume: the checkpoint in {finished / 'checkpoints'} is at step 40, the run's "
+        f"last (--steps 40): nothing left to train; nothing was built{written} {finish}")
+    assert json.loads((finished / "metrics.json").read_text()) == {
+        "step": 40, "losses": [1.25] * 40}
   _flip_bytes(finished / "checkpoints" / "40")
   llama.cli.parse([*run[:2], "--out", str(finished), *run[4:]])  # goes on to the resume
 
@@ -1174,6 +1290,22 @@ def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(comm
   other = unraisable(RuntimeError("something else"))
   hook(other)
   assert seen == [other]
+
+
+def test_ctrl_c_inside_a_write_waits_for_it(common):
+  """examples/interrupt.py's handler: Ctrl-C inside `held()` (a save, metrics.json) is raised
+  when the write is done; elsewhere at once (the runs above: `_interrupted`)."""
+  interrupt = sys.modules["interrupt"]
+  written = []
+  with pytest.raises(KeyboardInterrupt):
+    with interrupt.held():
+      with interrupt.held():  # nested: the outermost write ends first
+        interrupt._handler(signal.SIGINT, None)
+        written.append("inner")
+      written.append("outer")
+  assert written == ["inner", "outer"] and not interrupt.RUN.pending
+  with pytest.raises(KeyboardInterrupt):
+    interrupt._handler(signal.SIGINT, None)
 
 
 def test_resume_command_continues_the_run(common, monkeypatch):

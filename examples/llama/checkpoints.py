@@ -61,13 +61,15 @@ def shown_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_vocabulary(parser: argparse.ArgumentParser, out: pathlib.Path, preset: Preset,
-                     cache: pathlib.Path, flag: str = "--resume") -> None:
+                     cache: pathlib.Path, flag: str = "--resume",
+                     legacy_metadata: bool = False) -> None:
   """With --resume (or --init-from: `flag`, and the run it names as `out`): refuses
   (`parser.error`) a checkpoint trained with another vocabulary (tokenizer digest) than
   this run's, naming both. Checkpoints written before vocabularies were recorded used the
   fables' characters."""
   directory = out / "checkpoints"
-  latest = Checkpoints(directory).latest_meta() if directory.is_dir() else None
+  latest = (Checkpoints(directory, legacy_metadata=legacy_metadata).latest_meta()
+            if directory.is_dir() else None)
   if latest is None:
     return
   saved = latest[1].get("vocabulary") or vocabulary_record(

@@ -123,9 +123,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--init-from", type=pathlib.Path, metavar="RUN_DIR",
                       help="a new run starting from the params of the newest intact checkpoint "
                            "of the run in RUN_DIR (its --out; digests verified), written to its "
-                           "own --out: fine-tuning, all params or with --lora adapters only. "
-                           "Pass that run's --preset, --untied, --text, --vocab, --flat and "
-                           "--plain-ends")
+                           "own --out: fine-tuning, all params or with --lora adapters only "
+                           "(a LoRA run's adapters merged into its kernels first). Pass that "
+                           "run's --preset, --untied, --text, --vocab, --flat and --plain-ends")
   parser.add_argument("--lora", type=int, metavar="RANK",
                       help="with --init-from: LoRA, rank-RANK adapters on every block's "
                            "attention and MLP projections (A random, B zero: the start is the "
@@ -202,7 +202,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     check_resume(parser, args.out, run_config(args, preset), preset.steps,
                  min(preset.steps, args.stop_after or preset.steps), shown=shown_config,
                  finished=f"To train on from its params, start a new run from it: "
-                          f"--init-from {args.out} and another --out")
-    check_vocabulary(parser, args.out, preset, args.cache)
+                          f"--init-from {args.out} and another --out",
+                 legacy_metadata=args.legacy_metadata)
+    check_vocabulary(parser, args.out, preset, args.cache,
+                     legacy_metadata=args.legacy_metadata)
   return args
 

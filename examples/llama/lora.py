@@ -22,6 +22,11 @@ With --flat (the default) the adapters are a buffer of their own in each block's
 one gradient buffer. Checkpoints hold the whole params (base and adapters), so a LoRA run
 resumes from its own --out without the base run; its metadata records where it started
 (`fine_tuning`), and metrics.json the base params' digest before and after (equal).
+
+A fine-tuned run is itself a run to start from: a LoRA run's adapters are merged into its
+kernels (`merge_adapters`: W + A @ B), and the merged model is fine-tuned whole or given new
+adapters (merged, not kept frozen beside them: one kernel per projection, so the step, the
+checkpoints and generation stay those of any run).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import sys
 from typing import Any, Callable
 
 import jax
@@ -36,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 import jaxgraph as jg
-from common import Checkpoints, params_digest
+from common import Checkpoints, NoCheckpoint, params_digest
 
 from .checkpoints import check_vocabulary, run_config, shown_config
 from .layers import Params, split
@@ -69,6 +75,13 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
   is off for a LoRA run unless asked for (and then refused)."""
   if args.lora is not None and args.lora < 1:
     parser.error(f"--lora takes a rank >= 1, got {args.lora}")
+  narrowest, shape = narrowest_projection(preset)
+  if args.lora is not None and args.lora > narrowest:
+    parser.error(f"--lora {args.lora} is above the rank the model's projections can have: the "
+                 f"narrowest adapted one ({shape}) has rank at most {narrowest} (the "
+                 f"preset's width is {preset.width}), and a higher-rank adapter trains more "
+                 "params than the kernel it adapts for no larger update: pass --lora "
+                 f"{narrowest} or less (LoRA ranks sit far below the width)")
   if args.lora is not None and args.init_from is None:
     parser.error("--lora RANK fine-tunes a trained run: pass --init-from RUN_DIR, the --out of "
                  "that run (train one first, e.g. with --preset tiny)")
@@ -82,18 +95,25 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
     args.check = False
   if args.init_from is None:
     return
+  legacy = args.legacy_metadata
   own = args.out / "checkpoints"
-  if args.resume and own.is_dir() and Checkpoints(own).latest_meta() is not None:
+  if args.resume and own.is_dir() and Checkpoints(
+      own, legacy_metadata=legacy).latest_meta() is not None:
     return  # its own checkpoints hold the params: the run it started from is not read again
   run = args.init_from
   if run.absolute() == args.out.absolute():
     parser.error(f"--init-from {run} is this run's --out: a fine-tuning run starts from a "
                  "trained run and writes to an --out of its own")
   directory = run / "checkpoints"
-  latest = Checkpoints(directory).latest_meta() if directory.is_dir() else None
+  checkpoints = (Checkpoints(directory, legacy_metadata=legacy) if directory.is_dir()
+                 else None)
+  latest = None if checkpoints is None else checkpoints.latest_meta()
   if latest is None:
-    parser.error(f"--init-from: no intact checkpoint in {directory}: pass the --out of a "
-                 "trained run (it keeps its newest checkpoints there)")
+    problems = [] if checkpoints is None else checkpoints.meta_problems()
+    parser.error(f"--init-from: no intact checkpoint in {directory}"
+                 + (": " + "; ".join(f"step {step} {problem}" for step, problem in problems)
+                    if problems else "")
+                 + ". Pass the --out of a trained run (it keeps its newest checkpoints there)")
   saved, ours = shown_config(latest[1].get("config", {})), shown_config(run_config(args, preset))
 
   def show(value: Any) -> str:
@@ -105,7 +125,17 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
   if differ:
     parser.error(f"--init-from loads params of another model or layout than this run's: "
                  f"{', '.join(differ)}. Pass the flags that run was trained with")
-  check_vocabulary(parser, run, preset, args.cache, flag="--init-from")
+  check_vocabulary(parser, run, preset, args.cache, flag="--init-from", legacy_metadata=legacy)
+
+
+def narrowest_projection(preset: Preset) -> tuple[int, str]:
+  """The highest rank an adapter of the preset's model can use, min(in, out) of its
+  narrowest adapted projection, and that projection's shape as a message names it."""
+  kv = preset.kv_heads * (preset.width // preset.heads)
+  shapes = {"key/value": (preset.width, kv), "query/out": (preset.width, preset.width),
+            "gate/up": (preset.width, preset.hidden)}
+  name, (fan_in, fan_out) = min(shapes.items(), key=lambda item: min(item[1]))
+  return min(fan_in, fan_out), f"{name}, {fan_in} x {fan_out}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,17 +251,61 @@ def add_adapters(model: Llama, rank: int, seed: int) -> None:
         setattr(module, name, adapted)
 
 
-def load_run(run: pathlib.Path, preset: Preset, params: Params, placement: Placement,
-             streams: int) -> tuple[int, Params]:
-  """The step and params of the newest intact checkpoint of the run in `run` (`params`: the
-  structure and placement; its optimizer state is read to the host for the digests, and
-  dropped). A damaged newer step is named and left in place (another run's)."""
+def saved_rank(run: pathlib.Path, legacy_metadata: bool) -> int | None:
+  """The --lora rank of the run in `run` (None: it trained every param), from the metadata
+  of its newest intact step."""
+  latest = Checkpoints(run / "checkpoints", legacy_metadata=legacy_metadata).latest_meta()
+  return None if latest is None else latest[1].get("config", {}).get("lora")
+
+
+def load_run(args: argparse.Namespace, preset: Preset, model: Llama, params: Params,
+             placement: Placement, streams: int) -> tuple[int, Params, int | None]:
+  """The step and params of the newest intact checkpoint of the run in `args.init_from`,
+  written into `model`; and that run's --lora rank. A LoRA run's adapters are merged into
+  its kernels (W + A @ B: the model it computed, as plain projections), so that this run
+  fine-tunes or adapts that model. `params`: the structure and placement of a plain run's;
+  the optimizer state is read to the host for the digests, and dropped. A damaged newer
+  step is named and left in place (another run's); no intact step ends the run in one line."""
+  rank = saved_rank(args.init_from, args.legacy_metadata)
+  saved = model
+  if rank is not None:  # the LoRA run's model: adapters over this one's projections
+    saved = nnx.clone(model)
+    add_adapters(saved, rank, seed=0)  # structure only: the checkpoint's values replace them
+    params = placement.shard([jg.flat.ravel(p, group=adapter_group) if args.flat else p
+                              for p in split(saved)[1]])
   tx = optimizer(preset, preset.steps)  # the state's structure only
-  opt_state = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), jax.eval_shape(tx.init, params))
+  trained = params if rank is None else jg.partition(params, [part_mask(p) for p in params])[0]
+  opt_state = jax.tree.map(lambda s: np.empty(s.shape, s.dtype),
+                           jax.eval_shape(tx.init, trained))
   keys = [(jax.random.key(0), 0)] * streams
-  checkpoints = Checkpoints(run / "checkpoints", host=placement.host)
-  restored = checkpoints.restore(params, opt_state, keys, move_rejected=False)
-  return restored.step, restored.params
+  checkpoints = Checkpoints(args.init_from / "checkpoints", host=placement.host,
+                            legacy_metadata=args.legacy_metadata)
+  try:
+    restored = checkpoints.restore(params, opt_state, keys, move_rejected=False)
+  except NoCheckpoint as e:
+    sys.exit(f"--init-from {args.init_from}: {e}. Its steps are left in place: pass the --out "
+             "of a trained run whose checkpoints restore")
+  parts = [saved.embed, *saved.blocks, saved.head]
+  for part, state in zip(parts, jg.flat.unravel(restored.params)):
+    nnx.update(part, state)
+  if rank is not None:
+    merge_adapters(saved, model)
+  return restored.step, restored.params, rank
+
+
+def merge_adapters(adapted: Llama, model: Llama) -> None:
+  """Writes `adapted`'s params into `model`, the same model without adapters: every
+  projection's kernel W + A @ B (float32), every other param as it is."""
+  for part, into in zip([adapted.embed, *adapted.blocks, adapted.head],
+                        [model.embed, *model.blocks, model.head]):
+    _, _, rest = nnx.split(part, nnx.LoRAParam, ...)
+    nnx.update(into, rest)
+  for block, into in zip(adapted.blocks, model.blocks):
+    for holder, names in ADAPTED.items():
+      for name in names:
+        linear = getattr(getattr(block, holder), name)
+        merged = linear.kernel[...] + linear.lora.lora_a[...] @ linear.lora.lora_b[...]
+        getattr(getattr(into, holder), name).kernel[...] = merged
 
 
 def start(args: argparse.Namespace, preset: Preset, model: Llama,
@@ -242,17 +316,29 @@ def start(args: argparse.Namespace, preset: Preset, model: Llama,
   again. The layer functions, the params and what trains; unchanged without --init-from."""
   if args.init_from is None:
     return fns, params, FineTuning()
-  resumed = (Checkpoints(args.out / "checkpoints").latest_meta() if args.resume else None)
+  resumed = (Checkpoints(args.out / "checkpoints", legacy_metadata=args.legacy_metadata)
+             .latest_meta() if args.resume else None)
   if resumed is None:
     streams = model.config.depth + (0 if args.plain_ends else 2)
-    step, params = load_run(args.init_from, preset, params, placement, streams)
+    # The model holds the loaded params: the adapters are added to it, and generation reads
+    # its structure.
+    step, loaded, rank = load_run(args, preset, model, params, placement, streams)
     meta = {"init_from": str(args.init_from.absolute()), "init_step": step,
-            "params_sha256": params_digest(placement.host(params))}
-    for part, state in zip([model.embed, *model.blocks, model.head], jg.flat.unravel(params)):
-      nnx.update(part, state)  # the model holds them: the adapters are added to it, and
-                               # generation reads its structure
+            "params_sha256": params_digest(placement.host(loaded))}
+    merged = ""
+    if rank is not None:  # the run's own params are the merged model's
+      fns, params = split(model)
+      if args.flat:
+        params = [jg.flat.ravel(p, group=flat_group) for p in params]
+      params = placement.shard(params)
+      meta["merged_lora_rank"] = rank
+      meta["merged_params_sha256"] = params_digest(placement.host(params))
+      merged = (f"; it is a --lora {rank} run: its adapters merged into the kernels "
+                f"(W + A @ B), sha256 {meta['merged_params_sha256'][:12]} merged")
+    else:
+      params = loaded
     print(f"--init-from {args.init_from}: the params of its step {step} (digests verified), "
-          f"sha256 {meta['params_sha256'][:12]}")
+          f"sha256 {meta['params_sha256'][:12]}{merged}")
   else:
     meta = dict(resumed[1]["fine_tuning"])
   if args.lora is None:

@@ -7,6 +7,7 @@
   PYTHONPATH=. python examples/llama/train.py --preset gpu-1b # ~1B params on one 80 GB GPU
   ... --stop-after 40, then the same command with --resume    # bitwise the uninterrupted run
   ... --fresh           # a new run in an --out that holds one (moved to OUT/earlier-N/)
+  Ctrl-C, anywhere      # one line: the checkpoint step kept and the command that continues
   ... --check           # the same steps under one whole-step jax.jit, compared and timed
   ... --whole-step      # the same training loop through one whole-step jax.jit instead
   ... --rounds 5 --round-steps 40   # how tokens/s is measured (steady-state rounds)
@@ -63,8 +64,9 @@ from jaxgraph import fsdp  # noqa: E402
 
 # examples/ on the path: this folder's package (`llama`), examples/common.py, vocabulary.py.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from common import (Checkpoints, Corpus, params_digest, plot,  # noqa: E402
-                    progress_bar, resume_command, write_json)
+import interrupt  # noqa: E402
+from common import (Checkpoints, Corpus, given_command, params_digest,  # noqa: E402
+                    plot, progress_bar, resume_command, write_json)
 from llama import check as check_lib  # noqa: E402
 from llama import lora  # noqa: E402
 from llama.checkpoints import metadata, resume, run_config  # noqa: E402
@@ -242,6 +244,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
   """
   total, positions = preset.steps, captured.positions
   if first == 0 and "fine_tuning" in meta:
+    interrupt.point("evaluation", 0)
     eval_losses.append((0, evaluate(captured.eval, params, config, corpus,
                                     preset.eval_batches, positions)))
   metrics_path = out / "metrics.json"
@@ -252,6 +255,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
   bar = progress_bar(range(first + 1, stop + 1), total=total)
   timer.start()
   for step in bar:
+    interrupt.point("training", step)
     params, opt_state, loss = trainer.step(params, opt_state,
                                            step_batches(corpus, step, preset.microbatches),
                                            positions)
@@ -267,6 +271,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
     bar.set_postfix(loss=f"{losses[-1]:.4f}",
                     tok_s=f"{timer.rates[-1]:,.0f}" if timer.rates else "(warm-up)")
     if evaluate_now:
+      interrupt.point("evaluation", step)
       eval_losses.append((step, evaluate(captured.eval, params, config, corpus,
                                          preset.eval_batches, positions)))
       bar.write(f"step {step:>5}: train loss {losses[-1]:.4f}, held-out loss "
@@ -348,6 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   """One run of the command (`argv`: its flags); returns what metrics.json holds."""
   args = parse(argv)
   command = resume_command(__file__, sys.argv[1:] if argv is None else argv)
+  interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
   preset = resolve(args)
   check = (preset.check and not args.whole_step) if args.check is None else args.check
   stop = min(preset.steps, args.stop_after or preset.steps)
@@ -365,6 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   policy = tuning.residual_policy(policy)
 
   # Capture, then the optimizer and the step; with --fsdp, where everything lives.
+  interrupt.point("capture")
   captured = capture(args, preset, model.config, fns, params, placement, policy, tuning)
   positions = captured.positions
   tx, opt_state, trainer = make_step(args, preset, model.config, fns, params, placement,
@@ -374,9 +381,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   # Checkpoints: --resume continues from the newest intact one.
   checkpoints = Checkpoints.for_run(args.out, fresh=args.fresh, command=command,
-                                    host=placement.host, keep=args.keep_checkpoints)
+                                    host=placement.host, keep=args.keep_checkpoints,
+                                    legacy_metadata=args.legacy_metadata)
+  interrupt.watch(checkpoints, command=command, last_step=preset.steps)
   first, losses, eval_losses = 0, [], []
   if args.resume:
+    interrupt.point("restore")
     first, params, opt_state, losses, eval_losses = resume(checkpoints, trainer, params,
                                                            opt_state)
   if check:  # --check reruns the steps from here under one whole-step jax.jit
@@ -392,6 +402,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      vocabulary=vocabulary, tuning=tuning)
 
   if check and stop > first:
+    interrupt.point("check")
     whole, found, whole_state = check_lib.rerun(
         fns, model.config, tx, preset, start, first_grads, graph_ends=graph_ends,
         policy=policy, placement=placement, corpus=corpus, steps=range(first + 1, stop + 1),
@@ -409,16 +420,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   if sharded is not None:
     result["fsdp"] = sharded
+  interrupt.point("outputs")
   plot_losses(args, losses, eval_losses, checkpoints)
   write_metrics(args.out, result, checkpoints)
   if args.generate:
+    interrupt.point("generation")
     # One sequence: generated on one device (per process), from the params gathered whole.
     result["generation"] = write_sample(model, fns, placement.local(params), corpus,
                                         graph_ends, min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
     write_metrics(args.out, result, checkpoints)
-  print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, {checkpoints.directory} "
-        f"({checkpoints.kept()})")
+  if jax.process_index() == 0:
+    print(f"wrote {args.out / 'loss.png'}, {args.out / 'metrics.json'}, "
+          f"{checkpoints.directory} ({checkpoints.kept()})")
+  else:  # loss.png and metrics.json are process 0's
+    print(f"process {jax.process_index()} wrote its shards of {checkpoints.directory} "
+          f"({checkpoints.kept()}); process 0 wrote loss.png and metrics.json")
   if stop < preset.steps:
     print(f"stopped after step {stop} of {preset.steps} (--stop-after); continue with: "
           f"{command}")
@@ -426,4 +443,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  interrupt.run(main, sys.argv[1:], command=resume_command(__file__, sys.argv[1:]),
+                rerun=given_command(__file__, sys.argv[1:]))
