@@ -357,7 +357,7 @@ def test_llama_fsdp_record_keeps_each_field_whole(monkeypatch):
                    "command": "python3 llama_fsdp.py --rows 'gpu:4:--fuse 4'"}
   assert rows[0] == {"preset": "gpu", "n": "4", "graphed": "1000", "whole": "1250",
                      "ratio": "0.800", "spread": "1.0%", "processes": "1", "flags": "--fuse_4",
-                     "concurrent": "2", "rounds": "3", "graphed_peak_gib": "2.00",
+                     "prefetch": "off", "concurrent": "2", "rounds": "3", "graphed_peak_gib": "2.00",
                      "whole_planned_gib": "4.00"}
   assert rows[1] == {"preset": "gpu", "n": "4", "processes": "4", "flags": "-",
                      "error": "exit_codes_-6,0,0,0"}
