@@ -438,8 +438,9 @@ class ExecutableBackward:
       raise
     if self.placements:
       placed = dict(self.placements)
+      select = self.entry.backward[kind][1]
       grads = [placed_as(g, placed[leaf]) if leaf in placed else g
-               for leaf, g in zip(self.entry.backward[kind][1], grads)]
+               for leaf, g in zip(select, grads)] + list(grads[len(select):])  # dgrad: stash
     return grads
 
   def _mismatched(self, cts: list[Any], *, arrays_only: bool = False

@@ -194,7 +194,6 @@ def test_split_backward_computes_nothing_twice(name):
   flops = backward_flops(name)
   assert flops["wgrad"] == weight_product_flops(name)
   assert flops["dgrad"] + flops["wgrad"] <= 1.05 * flops["full"]
-  assert flops["dgrad"] + weight_product_flops(name) >= 0.9 * flops["full"]
 
 
 def test_what_dgrad_keeps_for_wgrad():
