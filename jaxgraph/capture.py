@@ -493,16 +493,29 @@ _MOVES = frozenset({
     "sharding_constraint", "slice", "squeeze", "transpose"})
 
 
+def _inlined(eqn: Any) -> bool:
+  """Whether `_eval_eqns` evaluates the call `eqn` equation by equation: one of `_INLINED`,
+  and for a jit, one that places and lays out nothing itself (inlined, such a jit's
+  shardings would be lost)."""
+  if eqn.primitive.name not in _INLINED:
+    return False
+  params = eqn.params
+  return (all(type(s).__name__ == "UnspecifiedValue"
+              for s in (*params.get("in_shardings", ()), *params.get("out_shardings", ())))
+          and all(layout is None
+                  for layout in (*params.get("in_layouts", ()), *params.get("out_layouts", ())))
+          and not params.get("compiler_options_kvs"))
+
+
 def _eval_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
   """Evaluates `eqns` in order into `env` (variable -> value), binding each primitive as
-  `jax.core.eval_jaxpr` does, and evaluating the calls of `_INLINED` equation by equation."""
+  `jax.core.eval_jaxpr` does, and the calls `_inlined` says of equation by equation."""
   def read(v: Any) -> Any:
     return v.val if isinstance(v, jex.core.Literal) else env[v]
 
   for eqn in eqns:
     args = [read(v) for v in eqn.invars]
-    name = eqn.primitive.name
-    if name in _INLINED:
+    if _inlined(eqn):
       inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
       jaxpr, consts = ((inner.jaxpr, inner.consts) if isinstance(inner, jex.core.ClosedJaxpr)
                        else (inner, ()))
@@ -552,12 +565,14 @@ def split_backward(layout: Layout, dgrad: tuple[int, ...], wgrad: tuple[int, ...
   equation of it once.
 
   The backward (all gradients, `specs` its inputs) is traced to one flat jaxpr. The dgrad
-  side is every equation the gradients of `dgrad` depend on (and any with effects); the
-  wgrad side is the rest of what the gradients of `wgrad` depend on: for a matmul with a
-  weight, the weight product `xᵀ @ ct` and whatever follows it (a transpose, the sum over a
-  weight's uses). A value of the dgrad side that the wgrad side reads is stashed: returned by
-  dgrad after its gradients, kept until wgrad. An equation that only moves residual data
-  (`_MOVES`) is repeated on the wgrad side instead.
+  side is every equation the gradients of `dgrad` depend on (and any with effects). Of the
+  rest that the gradients of `wgrad` depend on, the wgrad side keeps the contractions (for
+  a matmul with a weight, the weight product `xᵀ @ ct`) and whatever reads their results (a
+  transpose, the sum over a weight's uses); the dgrad side takes the cheap remainder. A
+  value of the dgrad side that the wgrad side reads is stashed: returned by dgrad after its
+  gradients, kept until wgrad. An equation that only moves residual data (`_MOVES`: a
+  slice of a packed buffer, a copy back from host memory) is repeated on the wgrad side
+  instead.
 
   Returns:
     `(dgrad_fn, wgrad_fn, reads, stash)`: `dgrad_fn(*inputs)` returns the gradients of
@@ -691,9 +706,9 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       keys the stream forward (what warmup and keyless replays run) is compiled now, the
       explicit-key forward on first use.
     diff: the argument leaves that get gradients (`pullback.differentiated_leaves`).
-    backward: which backward executables to build: ("full", leaves) or ("dgrad", leaves)
-      and ("wgrad", leaves); the last one listed receives the residuals as donated buffers
-      (device residuals only).
+    backward: which backward executables to build: ("full", leaves), which receives the
+      residuals as donated buffers (device residuals only); or ("dgrad", leaves) and
+      ("wgrad", leaves), cut from one backward by `split_backward`.
     offload: None, or the policy whose kept buffers the forward executable writes to pinned
       host memory and the backward executable reads back (`"executable"` mode; async
       offload runs the executables without offload, and the host moves the buffers).

@@ -404,15 +404,20 @@ class ExecutableBackward:
             lambda: assemble(entry, self._wgrad(cts), wgrad_select, argnums))
 
   def _keep_for_wgrad(self) -> None:
-    """After the dgrad: lets go of the kept buffers the wgrad does not read (the dgrad was
-    their last use), and puts those it reads that wait in host memory back there (the
-    device copies went with the dgrad, as in executable mode)."""
-    kept_reads = set(self.entry.split.kept_reads)
+    """After the dgrad: lets go of what the wgrad does not read (the dgrad was the last use
+    of those kept buffers), and puts the kept buffers it reads that wait in host memory back
+    there (the device copies went with the dgrad, as in executable mode)."""
+    split = self.entry.split
+    kept_reads, reads = set(split.kept_reads), set(split.reads)
     for i, array in self._host_while_dgrad.items():
       self.kept[i] = array
     self.on_host = tuple(i for i in self._host_while_dgrad if i in kept_reads)
     self._host_while_dgrad = {}
     self.kept = [k if i in kept_reads else None for i, k in enumerate(self.kept)]
+    a = len(self.needed_inputs)
+    self.needed_inputs = [v if i in reads else None for i, v in enumerate(self.needed_inputs)]
+    self.needed_outputs = [v if a + i in reads else None
+                           for i, v in enumerate(self.needed_outputs)]
 
   def _wgrad(self, cts: list[Any]) -> list[Any]:
     grads = self._run("wgrad", cts)
