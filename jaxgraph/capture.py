@@ -654,7 +654,7 @@ def wgrad_bytes(entry: Executables) -> int:
                                        for i in entry.split.kept_reads)
 
 
-def _compile_split(timer: _Timer, layout: Layout, signature: sig_lib.Signature,
+def _compile_split(timer: _Timer, layout: Layout,
                    backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
                    specs: Sequence[jax.ShapeDtypeStruct], moved: tuple[int, ...],
                    twin: explicit_lib.Twin | None, grad_shardings: Callable[..., Any]
@@ -758,8 +758,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
 
   compiled_backward, split = {}, None
   if [kind for kind, _ in backward] == ["dgrad", "wgrad"]:
-    compiled_backward, split = _compile_split(timer, layout, signature, backward, bwd_specs,
-                                              moved, twin, grad_shardings)
+    compiled_backward, split = _compile_split(timer, layout, backward, bwd_specs, moved, twin,
+                                              grad_shardings)
   for position, (kind, select) in enumerate(() if split else backward):
     last = position == len(backward) - 1
     placed = grad_shardings(select)
