@@ -152,6 +152,8 @@ class Executables:
   twin: explicit_lib.Twin | None = None
   # XLA options every executable of this entry is compiled with (also those compiled later)
   compiler_options: tuple[tuple[str, Any], ...] = ()
+  # with delay_wgrad: what the dgrad executable hands the wgrad executable (`split_backward`)
+  split: WgradSplit | None = None
 
 
 def _is_inexact(dtype: Any) -> bool:
@@ -461,6 +463,237 @@ def _backward_fn(layout: Layout, select: tuple[int, ...],
   return backward
 
 
+@dataclasses.dataclass(frozen=True)
+class WgradSplit:
+  """How one backward is cut into dgrad and wgrad without computing anything twice.
+
+  The dgrad executable returns its gradients, then `stash`: the values of its own computation
+  the weight gradients need (the cotangent at the output of each weight-consuming matmul,
+  convolution or elementwise op). The wgrad executable takes the backward inputs at `reads`
+  (positions among needed inputs, needed outputs, kept buffers and cotangents: the
+  activations the weight products read) and the stash, and computes only what is left.
+  """
+
+  reads: tuple[int, ...]
+  stash: tuple[jax.ShapeDtypeStruct, ...]
+  kept_reads: tuple[int, ...]  # the kept buffers among `reads` (positions among the kept)
+
+  @property
+  def stash_bytes(self) -> int:
+    return sum(math.prod(s.shape) * s.dtype.itemsize for s in self.stash)
+
+
+# Calls the cut looks into: a jitted helper (`jax.nn.gelu`, a user's `@jax.jit` linear) or a
+# rematerialized block is transposed into one equation that returns activation and weight
+# cotangents together, which could then only go to the dgrad side whole.
+_INLINED = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint",
+                      "custom_jvp_call"})
+# Primitives that only move or view data: where such an equation reads no cotangent (a slice
+# of a packed or flat residual, an offloaded residual's copy back to the device), the wgrad
+# side repeats it on the residual rather than keep its result from the dgrad.
+_MOVES = frozenset({
+    "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "copy_p", "device_put",
+    "dynamic_slice", "expand_dims", "reduce_precision", "reshape", "rev",
+    "sharding_constraint", "slice", "squeeze", "transpose"})
+
+
+def _inlined(eqn: Any) -> bool:
+  """Whether `_eval_eqns` evaluates the call `eqn` equation by equation: one of `_INLINED`,
+  and for a jit, one that places and lays out nothing itself (inlined, such a jit's
+  shardings would be lost)."""
+  if eqn.primitive.name not in _INLINED:
+    return False
+  params = eqn.params
+  return (all(type(s).__name__ == "UnspecifiedValue"
+              for s in (*params.get("in_shardings", ()), *params.get("out_shardings", ())))
+          and all(layout is None
+                  for layout in (*params.get("in_layouts", ()), *params.get("out_layouts", ())))
+          and not params.get("compiler_options_kvs"))
+
+
+def _eval_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> None:
+  """Evaluates `eqns` in order into `env` (variable -> value), binding each primitive as
+  `jax.core.eval_jaxpr` does, and the calls `_inlined` says of equation by equation."""
+  def read(v: Any) -> Any:
+    return v.val if isinstance(v, jex.core.Literal) else env[v]
+
+  for eqn in eqns:
+    args = [read(v) for v in eqn.invars]
+    if _inlined(eqn):
+      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      jaxpr, consts = ((inner.jaxpr, inner.consts) if isinstance(inner, jex.core.ClosedJaxpr)
+                       else (inner, ()))
+      inner_env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+      _eval_eqns(jaxpr.eqns, inner_env)
+      outs = [v.val if isinstance(v, jex.core.Literal) else inner_env[v]
+              for v in jaxpr.outvars]
+    else:
+      with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    env.update(zip(eqn.outvars, outs))
+
+
+def _flat_backward(layout: Layout, select: tuple[int, ...], moved: tuple[int, ...],
+                   specs: Sequence[jax.ShapeDtypeStruct]) -> Any:
+  """The closed jaxpr of the backward returning the gradients of `select`, with the calls of
+  `_INLINED` inlined: one equation per primitive the cut can put on either side."""
+  nested = jax.jit(_backward_fn(layout, select, moved)).trace(*specs).jaxpr
+
+  def flat(*args):
+    env = dict(zip(nested.jaxpr.constvars, nested.consts)) | dict(zip(nested.jaxpr.invars, args))
+    _eval_eqns(nested.jaxpr.eqns, env)
+    return [v.val if isinstance(v, jex.core.Literal) else env[v] for v in nested.jaxpr.outvars]
+
+  return jax.jit(flat).trace(*specs).jaxpr
+
+
+def _needed(jaxpr: Any, roots: Sequence[Any], producer: dict[Any, int]) -> set[int]:
+  """The equations of `jaxpr` (indices) that the variables `roots` depend on."""
+  needed: set[int] = set()
+  stack = [v for v in roots if isinstance(v, jex.core.Var)]
+  while stack:
+    index = producer.get(stack.pop())
+    if index is not None and index not in needed:
+      needed.add(index)
+      stack.extend(v for v in jaxpr.eqns[index].invars if isinstance(v, jex.core.Var))
+  return needed
+
+
+def split_backward(layout: Layout, dgrad: tuple[int, ...], wgrad: tuple[int, ...],
+                   moved: tuple[int, ...], specs: Sequence[jax.ShapeDtypeStruct]
+                   ) -> tuple[Callable[..., list[Any]], Callable[..., list[Any]],
+                              tuple[int, ...], tuple[Any, ...]]:
+  """Cuts the backward of `layout` into a dgrad and a wgrad function that compute each
+  equation of it once.
+
+  The backward (all gradients, `specs` its inputs) is traced to one flat jaxpr. The dgrad
+  side is every equation the gradients of `dgrad` depend on (and any with effects). Of the
+  rest that the gradients of `wgrad` depend on, the wgrad side keeps the contractions (for
+  a matmul with a weight, the weight product `xᵀ @ ct`) and whatever reads their results (a
+  transpose, the sum over a weight's uses); the dgrad side takes the cheap remainder. A
+  value of the dgrad side that the wgrad side reads is stashed: returned by dgrad after its
+  gradients, kept until wgrad. An equation that only moves residual data (`_MOVES`: a
+  slice of a packed buffer, a copy back from host memory) is repeated on the wgrad side
+  instead.
+
+  Returns:
+    `(dgrad_fn, wgrad_fn, reads, stash)`: `dgrad_fn(*inputs)` returns the gradients of
+    `dgrad` then the stashed values; `wgrad_fn(*[inputs[i] for i in reads], *stash_values)`
+    returns the gradients of `wgrad`; `stash` holds the stashed variables (their avals).
+  """
+  closed = _flat_backward(layout, dgrad + wgrad, moved, specs)
+  jaxpr = closed.jaxpr
+  producer = {v: i for i, eqn in enumerate(jaxpr.eqns) for v in eqn.outvars}
+  n_d = len(dgrad)
+  d_outs, w_outs = jaxpr.outvars[:n_d], jaxpr.outvars[n_d:]
+  effects = [v for eqn in jaxpr.eqns if eqn.effects for v in eqn.outvars]
+  d_side = _needed(jaxpr, [*d_outs, *effects], producer)
+  # The wgrad side keeps only the weight products and what follows them; the cheap rest
+  # (a bias's sum over the batch, a norm scale's `sum(ct * x_hat)`) moves to the dgrad side,
+  # which then stashes a weight-sized gradient, not an activation-sized cotangent, and
+  # compiles it next to its producer as the fused backward does (the same XLA rewrites).
+  deferred: set[Any] = set()
+  for i in sorted(_needed(jaxpr, w_outs, producer) - d_side):
+    eqn = jaxpr.eqns[i]
+    if eqn.primitive.name in _CONTRACTIONS or any(
+        v in deferred for v in eqn.invars if isinstance(v, jex.core.Var)):
+      deferred.update(eqn.outvars)
+    else:
+      d_side.add(i)
+  # which variables carry a cotangent (the last inputs), for `_MOVES`
+  first_ct = len(jaxpr.invars) - len(layout.ct_leaves)
+  carries = set(jaxpr.invars[first_ct:])
+  for eqn in jaxpr.eqns:
+    if any(v in carries for v in eqn.invars if isinstance(v, jex.core.Var)):
+      carries.update(eqn.outvars)
+  position = {v: i for i, v in enumerate(jaxpr.invars)}
+  w_side: set[int] = set()
+  stash: dict[Any, None] = {}  # ordered
+  reads: set[int] = set()
+  stack = [v for v in w_outs if isinstance(v, jex.core.Var)]
+  while stack:
+    var = stack.pop()
+    if var in position:
+      reads.add(position[var])
+      continue
+    index = producer.get(var)
+    if index is None or index in w_side:  # a constant, or done
+      continue
+    eqn = jaxpr.eqns[index]
+    if index in d_side and not (eqn.primitive.name in _MOVES and var not in carries):
+      stash[var] = None
+      continue
+    w_side.add(index)
+    stack.extend(v for v in eqn.invars if isinstance(v, jex.core.Var))
+  stashed = tuple(sorted(stash, key=lambda v: producer[v]))
+  d_eqns = [eqn for i, eqn in enumerate(jaxpr.eqns) if i in d_side]
+  w_eqns = [eqn for i, eqn in enumerate(jaxpr.eqns) if i in w_side]
+  read_vars = [jaxpr.invars[i] for i in sorted(reads)]
+  consts = dict(zip(jaxpr.constvars, closed.consts))
+
+  def value(env: dict[Any, Any], v: Any) -> Any:
+    return v.val if isinstance(v, jex.core.Literal) else env[v]
+
+  def dgrad_fn(*args):
+    env = consts | dict(zip(jaxpr.invars, args))
+    _eval_eqns(d_eqns, env)
+    return [value(env, v) for v in (*d_outs, *stashed)]
+
+  def wgrad_fn(*args):
+    env = consts | dict(zip((*read_vars, *stashed), args))
+    _eval_eqns(w_eqns, env)
+    return [value(env, v) for v in w_outs]
+
+  return dgrad_fn, wgrad_fn, tuple(sorted(reads)), stashed
+
+
+def wgrad_bytes(entry: Executables) -> int:
+  """The bytes a pullback of `entry` holds from its dgrad to its wgrad: the stash and the
+  kept buffers the wgrad reads (0 without a split)."""
+  if entry.split is None:
+    return 0
+  return entry.split.stash_bytes + sum(entry.layout.buffers[i].nbytes
+                                       for i in entry.split.kept_reads)
+
+
+def _compile_split(timer: _Timer, layout: Layout,
+                   backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
+                   specs: Sequence[jax.ShapeDtypeStruct], moved: tuple[int, ...],
+                   twin: explicit_lib.Twin | None, grad_shardings: Callable[..., Any]
+                   ) -> tuple[dict[BackwardKind, tuple[Any, tuple[int, ...]]], WgradSplit]:
+  """Compiles the dgrad and wgrad executables of `split_backward`. Each kept buffer is donated
+  to the last executable that reads it: dgrad donates those wgrad does not read, wgrad the
+  rest and the stash (device buffers only: see `capture`)."""
+  (_, dgrad), (_, wgrad) = backward
+  with _tracing(twin):
+    dgrad_fn, wgrad_fn, reads, stashed = split_backward(layout, dgrad, wgrad, moved, specs)
+  first_kept = len(layout.needed_inputs) + len(layout.needed_outputs)
+  device_kept = [first_kept + i for i in range(layout.n_kept) if i not in moved]
+
+  def compile_one(fn: Callable[..., Any], select: tuple[int, ...], args: Sequence[Any],
+                  donate: Sequence[int], extra: int) -> Any:
+    placed = grad_shardings(select)
+    if placed is not None:
+      placed = {"out_shardings": list(placed) + [None] * extra}
+    bwd = jax.jit(fn, donate_argnums=tuple(donate), **(placed or {}))
+    with _tracing(twin):
+      return timer.compile(bwd.trace(*args))
+
+  d_compiled = compile_one(dgrad_fn, dgrad, specs,
+                           [i for i in device_kept if i not in reads], len(stashed))
+  stash_specs = tuple(_inside(o, twin) for o in d_compiled.out_info[len(dgrad):])
+  w_args = [specs[i] for i in reads] + list(stash_specs)
+  w_donate = ([j for j, i in enumerate(reads) if i in device_kept]
+              + [len(reads) + j for j in range(len(stashed))])
+  w_compiled = compile_one(wgrad_fn, wgrad, w_args, w_donate, 0)
+  split = WgradSplit(reads=reads, stash=stash_specs,
+                     kept_reads=tuple(i - first_kept for i in reads
+                                      if first_kept <= i < first_kept + layout.n_kept))
+  return {"dgrad": (d_compiled, dgrad), "wgrad": (w_compiled, wgrad)}, split
+
+
 def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,
             diff: tuple[int, ...],
             backward: Sequence[tuple[BackwardKind, tuple[int, ...]]],
@@ -478,9 +711,9 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       keys the stream forward (what warmup and keyless replays run) is compiled now, the
       explicit-key forward on first use.
     diff: the argument leaves that get gradients (`pullback.differentiated_leaves`).
-    backward: which backward executables to build: ("full", leaves) or ("dgrad", leaves)
-      and ("wgrad", leaves); the last one listed receives the residuals as donated buffers
-      (device residuals only).
+    backward: which backward executables to build: ("full", leaves), which receives the
+      residuals as donated buffers (device residuals only); or ("dgrad", leaves) and
+      ("wgrad", leaves), cut from one backward by `split_backward`.
     offload: None, or the policy whose kept buffers the forward executable writes to pinned
       host memory and the backward executable reads back (`"executable"` mode; async
       offload runs the executables without offload, and the host moves the buffers).
@@ -519,19 +752,25 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
   # Offloaded residuals are host buffers: donating them frees no device memory, and XLA would
   # alias them to device outputs (the result then has the wrong memory kind and aborts).
   donate = tuple(first_kept + i for i in range(layout.n_kept) if i not in moved)
-  compiled_backward = {}
-  for position, (kind, select) in enumerate(backward):
-    last = position == len(backward) - 1
+
+  def grad_shardings(select: tuple[int, ...]) -> list[Any] | None:
     # Each gradient comes back with its input's sharding (FSDP: reduce-scattered weight
     # grads; on a twin, a reduced input's unreduced); None (an uncommitted input) leaves the
     # choice to XLA, as before.
-    grad_shardings = [signature.leaves[leaf].sharding if twin is None else
-                      _outside(traced.leaves[leaf].sharding, twin, cotangent=True)
-                      for leaf in select]
-    placed = ({"out_shardings": grad_shardings}
-              if any(s is not None for s in grad_shardings) else {})
+    shardings = [signature.leaves[leaf].sharding if twin is None else
+                 _outside(traced.leaves[leaf].sharding, twin, cotangent=True)
+                 for leaf in select]
+    return shardings if any(s is not None for s in shardings) else None
+
+  compiled_backward, split = {}, None
+  if [kind for kind, _ in backward] == ["dgrad", "wgrad"]:
+    compiled_backward, split = _compile_split(timer, layout, backward, bwd_specs, moved, twin,
+                                              grad_shardings)
+  for position, (kind, select) in enumerate(() if split else backward):
+    last = position == len(backward) - 1
+    placed = grad_shardings(select)
     bwd = jax.jit(_backward_fn(layout, select, moved), donate_argnums=donate if last else (),
-                  **placed)
+                  **({} if placed is None else {"out_shardings": placed}))
     with _tracing(twin):
       compiled_backward[kind] = (timer.compile(bwd.trace(*bwd_specs)), select)
   kept_specs = out_info[layout.n_out:layout.n_out + layout.n_kept]
@@ -540,7 +779,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
                      compiles=timer.compiles, compile_seconds=timer.seconds + trace_seconds,
                      residual_bytes=sum(math.prod(s.shape) * s.dtype.itemsize
                                         for s in kept_specs),
-                     twin=twin, compiler_options=compiler_options)
+                     twin=twin, compiler_options=compiler_options, split=split)
 
 
 def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int,

@@ -51,6 +51,11 @@ class Stats(NamedTuple):
       before any capture. Lower it with `make_graphed(..., remat_policy=...)`.
     offload_bytes: of those, the bytes it keeps in host memory (`offload_residuals`); 0 for
       a callable not offloaded.
+    wgrad_bytes: with `delay_wgrad=True`, the bytes a pullback holds from its dgrad to its
+      wgrad (freed by the wgrad): what the dgrad returned for the weight products (the
+      cotangents at the weight-consuming ops; a norm's or bias's gradient itself) and the
+      kept residuals the wgrad reads; the dgrad frees the other residuals. 0 without
+      `delay_wgrad`.
   """
 
   captures: int
@@ -62,6 +67,7 @@ class Stats(NamedTuple):
   fallbacks: int
   residual_bytes: int
   offload_bytes: int
+  wgrad_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -113,14 +119,14 @@ class _Counters:
     self.compile_seconds += seconds
 
   def snapshot(self, segments: list[_Counters], residual_bytes: int,
-               offload_bytes: int) -> Stats:
+               offload_bytes: int, wgrad_bytes: int) -> Stats:
     """`Stats` of these counts, with the captures and compiles of `segments` added."""
     return Stats(self.captures + sum(c.captures for c in segments),
                  self.cache_hits + sum(c.cache_hits for c in segments),
                  self.compiles + sum(c.compiles for c in segments),
                  self.compile_seconds + sum(c.compile_seconds for c in segments),
                  self.replays, self.backward_replays, self.fallbacks, residual_bytes,
-                 offload_bytes)
+                 offload_bytes, wgrad_bytes)
 
 
 class GraphedCallable:
@@ -171,12 +177,13 @@ class GraphedCallable:
     their first layer.
     """
     last = next(reversed(self._entries.values()), None)
-    residual_bytes = offload_bytes = 0
+    residual_bytes = offload_bytes = wgrad_bytes = 0
     if last is not None:
       residual_bytes = last.residual_bytes
       offload_bytes = self._offload.nbytes(last.layout.buffers)
+      wgrad_bytes = capture_lib.wgrad_bytes(last)
     return self._counts.snapshot([segment._counts for segment in self._led_segments()],
-                                 residual_bytes, offload_bytes)
+                                 residual_bytes, offload_bytes, wgrad_bytes)
 
   @property
   def kept_buffers(self) -> tuple[offload_lib.Buffer, ...]:

@@ -362,6 +362,9 @@ class ExecutableBackward:
   # With delay_wgrad, the host arrays the dgrad's prefetch copied back: the wgrad's
   # residuals wait on the host again in between, as in executable mode.
   _host_while_dgrad: dict[int, Any] = dataclasses.field(default_factory=dict)
+  # With delay_wgrad, between dgrad and wgrad: what the dgrad returned for the wgrad
+  # (`capture.WgradSplit`), donated to the wgrad.
+  _stash: list[Any] = dataclasses.field(default_factory=list)
 
   def prefetch(self) -> None:
     """Starts copying the kept arrays in host memory back to the device (once)."""
@@ -391,25 +394,48 @@ class ExecutableBackward:
       raise self._cotangent_error(cts) from e  # the sharding differs: XLA's says how
     if first_kind == "full":
       return assemble(entry, values, select, None), None
-    for i, array in self._host_while_dgrad.items():  # the device copies go with the dgrad
-      self.kept[i] = array
-    self.on_host, self._host_while_dgrad = tuple(self._host_while_dgrad), {}
+    values, self._stash = values[:len(select)], values[len(select):]
+    self._keep_for_wgrad()
     wgrad_select = entry.backward["wgrad"][1]
     argnums = self.owner._config.wgrad_argnums
     dgrad_argnums = tuple(i for i in range(len(arg_ranges(entry.signature.treedef)))
                           if i not in argnums)
     return (assemble(entry, values, select, dgrad_argnums),
-            lambda: assemble(entry, self._run("wgrad", cts), wgrad_select, argnums))
+            lambda: assemble(entry, self._wgrad(cts), wgrad_select, argnums))
+
+  def _keep_for_wgrad(self) -> None:
+    """After the dgrad: lets go of what the wgrad does not read (the dgrad was the last use
+    of those kept buffers), and puts the kept buffers it reads that wait in host memory back
+    there (the device copies went with the dgrad, as in executable mode)."""
+    split = self.entry.split
+    kept_reads, reads = set(split.kept_reads), set(split.reads)
+    for i, array in self._host_while_dgrad.items():
+      self.kept[i] = array
+    self.on_host = tuple(i for i in self._host_while_dgrad if i in kept_reads)
+    self._host_while_dgrad = {}
+    self.kept = [k if i in kept_reads else None for i, k in enumerate(self.kept)]
+    a = len(self.needed_inputs)
+    self.needed_inputs = [v if i in reads else None for i, v in enumerate(self.needed_inputs)]
+    self.needed_outputs = [v if a + i in reads else None
+                           for i, v in enumerate(self.needed_outputs)]
+
+  def _wgrad(self, cts: list[Any]) -> list[Any]:
+    grads = self._run("wgrad", cts)
+    self._stash, self.kept = [], []  # donated (best effort): not held past the wgrad
+    return grads
 
   def _run(self, kind: capture_lib.BackwardKind, cts: list[Any]) -> list[Any]:
     self.prefetch()
     owner = self.owner
     exe = owner._local(self.entry, self.entry.backward[kind][0])
+    args = [*self.needed_inputs, *self.needed_outputs, *self.kept, *cts]
+    if kind == "wgrad":
+      args = [args[i] for i in self.entry.split.reads] + self._stash
     try:
       with jax.profiler.TraceAnnotation(owner._trace_names[1]):
-        grads = exe(*self.needed_inputs, *self.needed_outputs, *self.kept, *cts)
+        grads = exe(*args)
     except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
-      if any_deleted(self.needed_inputs + self.needed_outputs):
+      if any_deleted(args):
         raise RuntimeError(
             f"the backward of {owner.name} needs arrays from its forward that were deleted "
             "or donated since (e.g. params donated to an optimizer step before the "
@@ -417,8 +443,9 @@ class ExecutableBackward:
       raise
     if self.placements:
       placed = dict(self.placements)
+      select = self.entry.backward[kind][1]
       grads = [placed_as(g, placed[leaf]) if leaf in placed else g
-               for leaf, g in zip(self.entry.backward[kind][1], grads)]
+               for leaf, g in zip(select, grads)] + list(grads[len(select):])  # dgrad: stash
     return grads
 
   def _mismatched(self, cts: list[Any], *, arrays_only: bool = False

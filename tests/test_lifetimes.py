@@ -96,13 +96,21 @@ def test_pullback_after_its_forward_buffers_are_gone(graphed, what):
 
 
 def test_wgrad_after_params_were_donated():
+  """The wgrad reads activations and the cotangents the dgrad kept, not the weights: it runs
+  after an optimizer step donated them; not after its input was donated."""
   p = _copy(_params())
   g = jg.make_graphed(layer, sample_args=(p, X), num_warmup_iters=0, delay_wgrad=True)
+  _, v = _push(_params(), X)
+  ref_grads, ref_x = _pull(v, CT)
   y, pull = g.vjp(p, X)
   _, g_x = pull(CT)                      # dgrad before the optimizer step: fine
-  _, v = _push(_params(), X)
-  assert bitwise(g_x, _pull(v, CT)[1])
+  assert bitwise(g_x, ref_x)
   _delete("donated_params", p, X)
+  assert bitwise(pull.wgrad()[0], ref_grads)
+  x = _copy(X)
+  y, pull = g.vjp(_params(), x)
+  pull(CT)
+  _delete("donated_x", None, x)
   for _ in range(2):  # not consumed by the failure: the same clear error again
     with pytest.raises(RuntimeError, match=r"deleted or donated"):
       pull.wgrad()
