@@ -1,8 +1,10 @@
 """`sequential_vjp`: a stack of graphed layers chained forward, pulled back in reverse.
 
-The top of the replay path: each layer replays its own executable pair (`graphed.py`), or,
-with `fuse=True`, each run of hook-free neighbours replays as one (`fusion.py`). Imports run
-one way, chain -> fusion -> graphed, so neither of those imports this module.
+The top of the replay path: each layer replays its own executable pair (`graphed.py`); with
+`fuse=True` each run of hook-free neighbours replays as one (`fusion.py`); with `prefetch`
+each run of FSDP layers hands its collectives from executable to executable (`prefetch.py`).
+Imports run one way, chain -> prefetch, fusion -> graphed, so none of those imports this
+module.
 """
 
 from __future__ import annotations
@@ -128,30 +130,23 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
   elif prefetch and longest != 1:
     raise ValueError("sequential_vjp prefetches unfused layers only: pass fuse=False (or 1) "
                      "with prefetch=True, or prefetch=False with fuse.")
-  steps = []
   if prefetch:
-    for lo, hi, prefetched in prefetch_lib.runs(layers, params_list, 0, len(layers)):
-      chained = None
-      if prefetched:
-        chained = prefetch_lib.chain_vjp(layers[lo:hi], params_list[lo:hi], x, consts,
-                                         None if keys is None else keys[lo:hi])
-      if chained is not None:
-        x, pullback = chained
-        steps.append((lo, hi, pullback))
-        continue
-      x = _one_by_one(layers, params_list, x, consts, keys, lo, hi, steps)
-    return x, SequentialPullback(steps)
-  for lo, hi in fusion_lib.plan(layers, longest):
-    fused = None
-    if hi - lo > 1:
-      segment = fusion_lib.segment(layers[lo:hi])
-      fused = segment.vjp_chain(params_list[lo:hi], x, consts,
-                                None if keys is None else keys[lo:hi])
-    if fused is not None:
-      x, pullback = fused
+    runs = prefetch_lib.runs(layers, params_list, 0, len(layers))
+  else:
+    runs = [(lo, hi, hi - lo > 1) for lo, hi in fusion_lib.plan(layers, longest)]
+  steps = []
+  for lo, hi, joined in runs:
+    replayed = None
+    if joined:  # prefetching, or fused; None where the run cannot replay so
+      some_keys = None if keys is None else keys[lo:hi]
+      replayed = (prefetch_lib.chain_vjp(layers[lo:hi], params_list[lo:hi], x, consts,
+                                         some_keys) if prefetch else
+                  fusion_lib.segment(layers[lo:hi]).vjp_chain(params_list[lo:hi], x, consts,
+                                                              some_keys))
+    if replayed is not None:
+      x, pullback = replayed
       steps.append((lo, hi, pullback))
       continue
-    # one by one: unfused, or a fused run that cannot replay fused
     x = _one_by_one(layers, params_list, x, consts, keys, lo, hi, steps)
   return x, SequentialPullback(steps)
 
