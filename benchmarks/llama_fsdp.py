@@ -60,7 +60,6 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
-import jaxgraph as jg  # noqa: E402
 from benchmarks import profiling  # noqa: E402
 from llama import train  # noqa: E402
 from llama.data import step_batches  # noqa: E402
@@ -151,10 +150,9 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
            for name, compiled in named_executables(trainer.layers)}
   found["whole step"] = collectives(whole.compiled)
   result["collectives"] = found
-  # whether the blocks replayed prefetching steps (`--prefetch`, or its default on GPUs)
-  result["prefetch"] = any(step._entries for layer in trainer.layers
-                           if isinstance(layer, jg.GraphedCallable)
-                           for step in jg.prefetch.steps_of(layer))
+  # whether the blocks replayed prefetching steps (`--prefetch`, or its default on GPUs):
+  # named_executables names their executables after the steps
+  result["prefetch"] = any(name.startswith("prefetch(") for name in found)
   runs = {"graphed": [trainer, (params, opt_state)], "whole_step": [whole, whole_state]}
   on_gpu = jax.devices()[0].platform == "gpu"
   if on_gpu:
