@@ -13,12 +13,12 @@ from jaxgraph import offload
 from jaxgraph import prefetch
 from jaxgraph import residuals
 from jaxgraph import schedule
-from jaxgraph.api import make_graphed
-from jaxgraph.capture import ConstantWeightWarning
-from jaxgraph.chain import sequential_vjp
-from jaxgraph.graphed import GraphedCallable, Pullback, Stats
-from jaxgraph.hooks import HookEvent, Hooks, is_capturing
-from jaxgraph.pullback import combine, partition
+from jaxgraph._api import make_graphed
+from jaxgraph._constants import ConstantWeightWarning
+from jaxgraph._chain import sequential_vjp
+from jaxgraph._graphed import GraphedCallable, Pullback, Stats
+from jaxgraph._hooks import HookEvent, Hooks, is_capturing
+from jaxgraph._pullback import combine, partition
 
 __version__ = "0.1.0"
 

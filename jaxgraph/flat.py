@@ -516,7 +516,7 @@ class Expansion:
 
   Every FlatTree among the arguments is replaced by its tree: each of its leaves is a slice
   of one argument leaf (a buffer); every other argument leaf is itself. Built by
-  `expansion` for `jaxgraph.capture`: the forward differentiates with respect to the
+  `expansion` for `jaxgraph._capture`: the forward differentiates with respect to the
   expanded leaves, the backward recomputes the slices it needs from the buffers and
   concatenates the slices' gradients into one gradient per buffer.
 

@@ -6,7 +6,7 @@ collective into the executable next to it, where XLA's scheduler runs it under t
 executable's compute:
 
 - layer i's forward returns, besides its output, layer i+1's weights gathered (typed reduced
-  on the Explicit twin of the FSDP mesh, `jaxgraph.explicit`), and layer i+1 computes on them;
+  on the Explicit twin of the FSDP mesh, `jaxgraph._explicit`), and layer i+1 computes on them;
   each layer's gathered weights are kept for its backward (one gather a layer, as the whole
   step does);
 - layer i+1's backward returns its weight gradient unreduced (each device's partial sum, no
@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxgraph import explicit as explicit_lib
+from jaxgraph import _explicit as explicit_lib
+from jaxgraph import _graphed as graphed_lib
+from jaxgraph import _hooks as hooks_lib
+from jaxgraph import _pullback as pullback_lib
+from jaxgraph import _signature as sig_lib
 from jaxgraph import flat as flat_lib
-from jaxgraph import graphed as graphed_lib
-from jaxgraph import hooks as hooks_lib
-from jaxgraph import pullback as pullback_lib
-from jaxgraph import signature as sig_lib
 
 __all__ = ["PrefetchStep", "Step", "eligible", "steps_of"]
 

@@ -1,12 +1,11 @@
-"""PRNG keys: validation, per-callable streams, and detection of keys frozen into executables."""
+"""PRNG keys: validation and per-callable streams (`stream_key`: the key a replay draws)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -74,41 +73,3 @@ def key_spec() -> jax.ShapeDtypeStruct:
 
 def warmup_base() -> jax.Array:
   return jax.random.key(_WARMUP_SEED)
-
-
-def _subjaxprs(eqn: Any) -> Iterator[Any]:
-  for value in eqn.params.values():
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    for item in items:
-      if isinstance(item, (jex.core.Jaxpr, jex.core.ClosedJaxpr)):
-        yield item
-
-
-def constant_keys(closed: Any) -> list[str]:
-  """Descriptions of keys that are constants of a traced function (a frozen dropout mask).
-
-  Finds key-typed constants (a key closed over by the function) and `random_seed` of a
-  constant (`jax.random.key(0)` inside the function), also inside nested jaxprs.
-  """
-  found: list[str] = []
-
-  def visit(jaxpr: Any) -> None:
-    if isinstance(jaxpr, jex.core.ClosedJaxpr):
-      found.extend(f"a closed-over key constant {c.dtype}{list(c.shape)}"
-                   for c in jaxpr.consts if is_key(c))
-      jaxpr = jaxpr.jaxpr
-    constvars = set(jaxpr.constvars)
-    for eqn in jaxpr.eqns:
-      for var in eqn.invars:
-        if isinstance(var, jex.core.Literal) and is_key(var.val):
-          found.append(f"a key literal used by {eqn.primitive}")
-      if eqn.primitive.name in ("random_seed", "random_wrap"):
-        source = eqn.invars[0]
-        if isinstance(source, jex.core.Literal) or source in constvars:
-          found.append(f"{eqn.primitive.name} of a constant (jax.random.key(<constant>) "
-                       "inside the function)")
-      for sub in _subjaxprs(eqn):
-        visit(sub)
-
-  visit(closed)
-  return found

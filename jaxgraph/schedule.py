@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxgraph import graphed as graphed_lib
-from jaxgraph import pullback as pullback_lib
+from jaxgraph import _graphed as graphed_lib
+from jaxgraph import _pullback as pullback_lib
 
 __all__ = [
     "Pipeline",

@@ -63,7 +63,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxgraph import capture as capture_lib  # noqa: E402
+from jaxgraph import _capture as capture_lib  # noqa: E402
 from models import devices_for  # noqa: E402
 
 _CACHE_ENV = "JAXGRAPH_TEST_COMPILATION_CACHE"

@@ -1,6 +1,6 @@
 """capture.py: residual packing (kept residuals of at most `PACK_MAX_BYTES` travel as one
 flat buffer per dtype, on the platforms where that is exact: `PACK_PLATFORMS`), and the
-warning for closed-over weights (`constant_weights`)."""
+warning for closed-over weights (`_constants.constant_weights`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import pytest
 
 import jaxgraph as jg
-from jaxgraph import capture as capture_lib
+from jaxgraph import _capture as capture_lib
+from jaxgraph import _constants as constants_lib
 from models import causal_mask, trees_equal
 
 B, D = 8, 32
@@ -243,8 +244,8 @@ def test_a_module_closed_over_by_a_partial_warns():
 
 def test_masks_tables_and_weights_as_arguments_do_not_warn():
   assert _constant_weight_warnings(_masks_and_tables, (W, X)) == []
-  assert capture_lib.constant_weights(jax.make_jaxpr(_masks_and_tables)(W, X)) == []
-  assert capture_lib.constant_weights(jax.make_jaxpr(_closes_over_w)(X)) == [
+  assert constants_lib.constant_weights(jax.make_jaxpr(_masks_and_tables)(W, X)) == []
+  assert constants_lib.constant_weights(jax.make_jaxpr(_closes_over_w)(X)) == [
       f"float32[{D}, {D}]"]
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxgraph as jg
-from jaxgraph import fusion
+from jaxgraph import _fusion as fusion
 from jaxgraph import residuals
 from jaxgraph import rng as rng_lib
 from models import (carry_block, causal_mask, counting, dropout_mlp, init_mlp, masked_block, mlp,

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import jaxgraph as jg
-from jaxgraph import capture as capture_lib
+from jaxgraph import _capture as capture_lib
 from jaxgraph import offload as offload_lib
-from jaxgraph import pullback as pullback_lib
+from jaxgraph import _pullback as pullback_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph import schedule
 from models import assert_equal_or_close, trees_equal

@@ -9,8 +9,8 @@ import pytest
 from jax._src import compilation_cache
 
 import jaxgraph as jg
-from jaxgraph import api as api_lib
-from jaxgraph import capture as capture_lib
+from jaxgraph import _checks as checks_lib
+from jaxgraph import _capture as capture_lib
 from jaxgraph import rng as rng_lib
 from models import counting, devices_for, dropout_mlp, init_mlp, reference_stack, trees_equal
 
@@ -117,13 +117,13 @@ def test_each_layer_replays_its_own_copy_of_one_compile_bitwise(delay_wgrad):
 
 
 def test_default_is_on_for_gpu_only():
-  assert api_lib.PER_LAYER_PLATFORMS == {"gpu"}
+  assert checks_lib.PER_LAYER_PLATFORMS == {"gpu"}
 
 
 @pytest.mark.parametrize("per_layer", [False, True], ids=["shared", "per_layer"])
 def test_default_follows_the_backend(platform_gate, per_layer):
   """Both sides of the gate, forced on the backend the tests run on (conftest.py)."""
-  platform_gate(api_lib, "PER_LAYER_PLATFORMS", per_layer)
+  platform_gate(checks_lib, "PER_LAYER_PLATFORMS", per_layer)
   layers, params, x, _ = _stack(None)
   jg.sequential_vjp(layers, params, x)
   copies = len({id(exe) for exes in _replayed(layers) for exe in exes})

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxgraph import signature as sig_lib
+from jaxgraph import _signature as sig_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import serialize_executable
 
-from jaxgraph import explicit as explicit_lib
+from jaxgraph import _constants as constants_lib
+from jaxgraph import _explicit as explicit_lib
+from jaxgraph import _signature as sig_lib
 from jaxgraph import flat as flat_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import rng as rng_lib
-from jaxgraph import signature as sig_lib
 
 BackwardKind = Literal["full", "dgrad", "wgrad"]
 ForwardKind = Literal["explicit", "stream"]
@@ -597,7 +598,7 @@ def split_backward(layout: Layout, dgrad: tuple[int, ...], wgrad: tuple[int, ...
   deferred: set[Any] = set()
   for i in sorted(_needed(jaxpr, w_outs, producer) - d_side):
     eqn = jaxpr.eqns[i]
-    if eqn.primitive.name in _CONTRACTIONS or any(
+    if eqn.primitive.name in constants_lib.CONTRACTIONS or any(
         v in deferred for v in eqn.invars if isinstance(v, jex.core.Var)):
       deferred.update(eqn.outvars)
     else:
@@ -719,7 +720,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       offload runs the executables without offload, and the host moves the buffers).
     name: the callable's name, for errors.
     warned_weights: closed-over weights warned of already, by id; this capture adds those it
-      warns of (`_warn_constant_weights`).
+      warns of (`_constants.warn_constant_weights`).
     remat_policy: a `jax.checkpoint` policy choosing the residuals (None: all of `jax.vjp`'s).
     loose_names: keep the residuals named with `checkpoint_name` out of the packed buffers
       (offload selects them by name: `make_graphed(..., offload_names=...)`).
@@ -735,8 +736,8 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
                                  remat_policy=remat_policy, loose_names=loose_names, twin=twin)
   trace_seconds = time.perf_counter() - start
   if warn_constant_keys:
-    _warn_constant_keys(closed, name)
-  _warn_constant_weights(closed, name, warned_weights)
+    constants_lib.warn_constant_keys(closed, name)
+  constants_lib.warn_constant_weights(closed, name, warned_weights)
   first: ForwardKind = "stream" if n_keys else "explicit"
   moved = offload.select(layout.buffers) if offload is not None else ()
   forward = {(first, True): _compile_forward(timer, closed, layout, signature, first,
@@ -798,8 +799,8 @@ def capture_inference(fn: Callable[..., Any], signature: sig_lib.Signature, *, n
   start = time.perf_counter()
   closed, layout = trace_inference(fn, signature, n_keys=n_keys, name=name)
   trace_seconds = time.perf_counter() - start
-  _warn_constant_keys(closed, name)
-  _warn_constant_weights(closed, name, warned_weights)
+  constants_lib.warn_constant_keys(closed, name)
+  constants_lib.warn_constant_weights(closed, name, warned_weights)
   entry = Executables(signature=signature, layout=layout, forward={}, backward={},
                       closed_jaxpr=closed, moved=(), compiles=0, compile_seconds=0.0,
                       residual_bytes=0, donated=tuple(donated),
@@ -842,100 +843,6 @@ def loaded_copy(compiled: Any) -> Any:
   except (ValueError, NotImplementedError, RuntimeError, AttributeError, TypeError,
           pickle.PicklingError):
     return compiled
-
-
-class ConstantWeightWarning(UserWarning):
-  """A function given to `make_graphed` closes over a float array that feeds a matmul or a
-  convolution: a weight baked into the executables, which gets no gradient and does not
-  follow later updates of the array (docs/semantics.md, "Functions of their arguments",
-  says which arrays count). Any size counts: a 16x16 weight trains no better as a constant
-  than a large one, and a fixed matrix that is meant (a 3x3 colour transform, a Hadamard
-  rotation) costs one warning per `make_graphed` call, where a missed weight costs a run.
-  Where a fixed matrix is meant:
-  `warnings.filterwarnings("ignore", category=jaxgraph.ConstantWeightWarning)`."""
-
-
-# Operations through which a closed-over array is still that array on its way into a matmul
-# (a weight is cast, transposed, reshaped or sliced first).
-_WEIGHT_PATH = frozenset({
-    "broadcast_in_dim", "convert_element_type", "copy", "copy_p", "dynamic_slice",
-    "expand_dims", "reduce_precision", "reshape", "rev", "sharding_constraint", "slice",
-    "squeeze", "transpose"})
-_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
-
-
-def constant_weights(closed: Any) -> list[str]:
-  """Descriptions of the closed-over float arrays of a traced function that act as weights.
-
-  An array counts when all of these hold: it is a constant of the jaxpr (an array the
-  function closes over, not one it computes: a rotary table built from `iota` inside the
-  function is not a constant), its dtype is a float (of any size), and it is an operand of
-  a `dot_general` or a convolution, directly or through casts, transposes, reshapes and
-  slices, also inside nested jits, `jax.checkpoint` and custom derivatives. Masks (bool,
-  int) and tables used elementwise (rotary sin/cos, biases, a causal mask added to scores)
-  are not weights.
-  """
-  return [description for description, _ in _constant_weight_arrays(closed)]
-
-
-def _constant_weight_arrays(closed: Any) -> list[tuple[str, Any]]:
-  """(description, array) of each weight `constant_weights` finds, in order."""
-  found: dict[Any, tuple[str, Any]] = {}  # the constant's variable -> (description, array)
-
-  # `tainted` maps a variable to the constant it carries: (its variable, (description, array))
-  def visit(jaxpr: Any, tainted: dict[Any, tuple[Any, tuple[str, Any]]]) -> None:
-    if isinstance(jaxpr, jex.core.ClosedJaxpr):
-      tainted = {**tainted, **{
-          var: (var, (f"{value.dtype}{list(value.shape)}", value))
-          for var, value in zip(jaxpr.jaxpr.constvars, jaxpr.consts)
-          if jnp.issubdtype(value.dtype, jnp.inexact)}}
-      jaxpr = jaxpr.jaxpr
-    for eqn in jaxpr.eqns:
-      sources = [tainted.get(v) if isinstance(v, jex.core.Var) else None for v in eqn.invars]
-      name = eqn.primitive.name
-      if name in _CONTRACTIONS:
-        found.update(s for s in sources if s)
-      elif name in _WEIGHT_PATH:
-        if sources[0]:
-          tainted[eqn.outvars[0]] = sources[0]
-      else:  # a nested jaxpr may use a tainted operand, or close over arrays of its own
-        for sub in rng_lib._subjaxprs(eqn):  # the one walker of nested jaxprs
-          inner = sub.jaxpr if isinstance(sub, jex.core.ClosedJaxpr) else sub
-          passed = len(inner.invars) == len(sources)  # operands passed on one to one
-          visit(sub, {var: s for var, s in zip(inner.invars, sources) if s} if passed else {})
-
-  visit(closed, {})
-  return list(found.values())
-
-
-def _warn_constant_weights(closed: Any, name: str, warned: dict[int, Any]) -> None:
-  """Warns of the closed-over weights of `closed` not in `warned` (ids of arrays warned of,
-  the arrays kept so that no id is reused), and adds them: a weight is named once per
-  `make_graphed` call, also where a fused chain or another signature traces it again."""
-  weights = [(description, array) for description, array in _constant_weight_arrays(closed)
-             if id(array) not in warned]
-  if not weights:
-    return
-  warned.update((id(array), array) for _, array in weights)
-  warnings.warn(
-      f"{name}: the traced function closes over {len(weights)} float array(s) that feed a "
-      f"matmul or a convolution ({', '.join(d for d, _ in weights)}). They are constants of "
-      "the executables: the pullback returns no gradient for them, and changing them later "
-      "does not change the graphed function. If they are weights, pass them as arguments "
-      "(in sample_args and on every call; make_graphed(..., grad_mask=...) keeps frozen "
-      "ones out of the backward). If they are meant to be fixed, silence this with "
-      "warnings.filterwarnings('ignore', category=jaxgraph.ConstantWeightWarning).",
-      ConstantWeightWarning, stacklevel=5)
-
-
-def _warn_constant_keys(closed: Any, name: str) -> None:
-  frozen = rng_lib.constant_keys(closed)
-  if frozen:
-    warnings.warn(
-        f"{name}: the traced function contains {frozen[0]}. A key that is a constant of the "
-        "executable gives the same random numbers (the same dropout mask) on every replay. "
-        "Take the key as an argument: make_graphed(..., rng=True) and fn(..., key=key).",
-        stacklevel=5)
 
 
 def forward_executable(entry: Executables, kind: ForwardKind, *,

@@ -19,14 +19,14 @@ from typing import Any, Callable, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgraph import capture as capture_lib
+from jaxgraph import _capture as capture_lib
+from jaxgraph import _hooks as hooks_lib
+from jaxgraph import _pullback as pullback_lib
+from jaxgraph import _signature as sig_lib
 from jaxgraph import flat as flat_lib
-from jaxgraph import hooks as hooks_lib
 from jaxgraph import offload as offload_lib
-from jaxgraph import pullback as pullback_lib
 from jaxgraph import rng as rng_lib
-from jaxgraph import signature as sig_lib
-from jaxgraph.pullback import Pullback  # by name: docs/api.md shows the type
+from jaxgraph._pullback import Pullback  # by name: docs/api.md shows the type
 
 OnNewSignature = Literal["capture", "error"]
 

@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 import jax
 
-from jaxgraph import fusion as fusion_lib
+from jaxgraph import _fusion as fusion_lib
+from jaxgraph import _pullback as pullback_lib
 from jaxgraph import prefetch as prefetch_lib
-from jaxgraph import pullback as pullback_lib
-from jaxgraph.graphed import GraphedCallable, Pullback  # by name: docs/api.md shows the types
+from jaxgraph._graphed import GraphedCallable, Pullback  # by name: docs/api.md shows the types
 
 
 class SequentialPullback:

@@ -14,10 +14,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from jaxgraph import graphed as graphed_lib
-from jaxgraph import hooks as hooks_lib
-from jaxgraph import pullback as pullback_lib
-from jaxgraph import signature as sig_lib
+from jaxgraph import _graphed as graphed_lib
+from jaxgraph import _hooks as hooks_lib
+from jaxgraph import _pullback as pullback_lib
+from jaxgraph import _signature as sig_lib
 
 
 @dataclasses.dataclass(frozen=True)

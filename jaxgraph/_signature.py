@@ -163,6 +163,12 @@ def abstract(spec: LeafSpec) -> jax.ShapeDtypeStruct:
                               weak_type=spec.weak_type)
 
 
+def abstract_tree(tree: Any) -> Any:
+  """`tree` with each leaf as the `jax.ShapeDtypeStruct` of its signature (what hooks and a
+  callable `grad_mask` see at capture)."""
+  return jax.tree.map(lambda leaf: abstract(leaf_spec(leaf)), tree)
+
+
 def leaf_paths(treedef: Any, prefix: str = "args") -> list[str]:
   """Readable paths (`args[1]['w']`) of the leaves of an argument tuple."""
   dummy = jax.tree.unflatten(treedef, range(treedef.num_leaves))

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgraph import capture as capture_lib
-from jaxgraph import hooks as hooks_lib
+from jaxgraph import _capture as capture_lib
+from jaxgraph import _hooks as hooks_lib
+from jaxgraph import _signature as sig_lib
 from jaxgraph import offload as offload_lib
-from jaxgraph import signature as sig_lib
 
 # What a backward returns: the gradients now, and the deferred weight gradients (delay_wgrad).
 BackwardResult = tuple[tuple[Any, ...], Callable[[], tuple[Any, ...]] | None]
