@@ -62,7 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxgraph as jg  # noqa: E402
 from benchmarks import gpt, harness  # noqa: E402
-from jaxgraph import capture as capture_lib  # noqa: E402
+from jaxgraph import _capture as capture_lib  # noqa: E402
 from jaxgraph import residuals  # noqa: E402
 
 JAX_VARIANTS = ("jaxgraph", "jaxgraph-keys", "jaxgraph-hooks", "jaxgraph-nodropout",
@@ -205,7 +205,7 @@ def _build_jaxgraph(spec: Spec, block: Callable[..., Any], params: list[Any], x0
 def _raw(spec: Spec, layers: tuple[jg.GraphedCallable, ...], params: list[Any], x0: jax.Array,
          head: Any, update: Any) -> Variant:
   """Replays the executables `layers` captured with no jaxgraph code in the loop."""
-  [entry] = layers[0]._entries.values()  # one signature, shared by every layer
+  [entry] = layers[0].executables.entries.values()  # one signature, shared by every layer
   layout = entry.layout
   backward, select = entry.backward["full"]
   assert select == tuple(range(layout.n_args)), "every argument leaf takes a gradient"

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 import jaxgraph as jg
 from benchmarks import gpt, harness
-from jaxgraph import capture as capture_lib
+from jaxgraph import _capture as capture_lib
 from jaxgraph import fsdp
 
 VARIANTS = ("graphed", "jit")
@@ -87,7 +87,7 @@ def build(size: gpt.Size, variant: str, attention: str | None, warmup: int) -> S
       grads, _ = pullback(head(y))
       return update(params, grads)
 
-    (entry,) = layers[0]._entries.values()
+    (entry,) = layers[0].executables.entries.values()
     forward, _ = capture_lib.forward_executable(entry, "explicit", residuals=True)
     analysis = dict(forward=_analysis(forward),
                     backward=_analysis(entry.backward["full"][0]))

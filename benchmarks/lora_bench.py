@@ -73,7 +73,7 @@ def build(variant: str, params: list[Any], x: jax.Array) -> tuple[jg.GraphedCall
 def backward_matmuls(layer: jg.GraphedCallable) -> int:
   """The matmuls of a layer's compiled backward: `dot`s (also inside fusions, as a Triton
   GEMM's) and cuBLAS calls (which replace a `dot` on the GPU)."""
-  (entry,) = layer._entries.values()
+  (entry,) = layer.executables.entries.values()
   return len(re.findall(r'\bdot\(|custom_call_target="__cublas',
                         entry.backward["full"][0].as_text()))
 

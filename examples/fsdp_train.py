@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxgraph as jg  # noqa: E402
-from jaxgraph import capture as capture_lib  # noqa: E402
+from jaxgraph import _capture as capture_lib  # noqa: E402
 from jaxgraph import fsdp  # noqa: E402
 
 Params = dict[str, jax.Array]
@@ -112,7 +112,7 @@ def main() -> None:
              for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(params)))
   print(f"param shardings kept through training: {kept}")
 
-  (entry,) = layers[0]._entries.values()
+  (entry,) = layers[0].executables.entries.values()
   forward, _ = capture_lib.forward_executable(entry, "explicit", residuals=True)
   backward = entry.backward["full"][0]
   gathered = sum(np.dtype(leaf.dtype).itemsize * leaf.size for leaf in host_params[0].values())

@@ -41,32 +41,32 @@ def _ones_like(tree: Any) -> Any:
   return jax.tree.map(lambda leaf: jnp.ones_like(leaf), tree)
 
 
-def _steps(plan: schedule_lib.Plan, sizes: Sequence[int], *, inference_only: bool
+def _steps(parsed: schedule_lib.ParsedOrder, sizes: Sequence[int], *, inference_only: bool
            ) -> list[tuple[str, int, int]]:
-  """`(kind, layer, microbatch)` of `plan`; its forwards only for inference-only layers."""
-  return [step for step in schedule_lib.layer_steps(plan, sizes)
+  """`(kind, layer, microbatch)` of `parsed`; its forwards only for inference-only layers."""
+  return [step for step in schedule_lib.layer_steps(parsed, sizes)
           if not inference_only or step[0] == "forward"]
 
 
 def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
-                 samples: Sequence[Sequence[tuple[Any, ...]]], plan: schedule_lib.Plan,
+                 samples: Sequence[Sequence[tuple[Any, ...]]], parsed: schedule_lib.ParsedOrder,
                  sizes: Sequence[int], *, inference_only: bool) -> None:
-  """Step 3, capture: in the order of `plan` (without `order`: every forward in order, every
+  """Step 3, capture: in the order of `parsed` (without `order`: every forward in order, every
   backward in reverse; `inference_only`: the forwards only), hooks around each;
   `samples[i][m]` are the args of layer i at microbatch m. Wgrad entries fire no hooks
   (Transformer Engine's rule)."""
   outputs = {}
-  for kind, i, m in _steps(plan, sizes, inference_only=inference_only):
+  for kind, i, m in _steps(parsed, sizes, inference_only=inference_only):
     layer, args = layers[i], samples[i][m]
     if kind == "forward":
       leaves, treedef = jax.tree.flatten(args)
       signature = sig_lib.signature_of(leaves, treedef)
-      hooks = layer._hooks["capture"]
+      hooks = layer.phase_hooks["capture"]
       pre, post = hooks.pre_forward, hooks.forward
       event = hooks_lib.HookEvent(layer.index, "capture", 0, m, sig_lib.abstract_tree(args))
       hooks_lib.fire(pre, "pre_forward", event, layer.name)
       try:
-        entry = layer._entry(signature, sampled=True)
+        entry = layer.executables.get(signature, sampled=True)
       except Exception as e:
         e.add_note(f"while capturing {layer.name} from sample_args[{layer.index}]")
         raise
@@ -77,7 +77,7 @@ def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
           layer.index, "capture", 0, m, event.args, outputs=out), layer.name)
     elif kind == "backward":
       abstract_args, out = outputs.pop((i, m))
-      hooks = layer._hooks["capture"]
+      hooks = layer.phase_hooks["capture"]
       pre, post = hooks.pre_backward, hooks.backward
       event = hooks_lib.HookEvent(layer.index, "capture", 0, m, abstract_args,
                                   outputs=out, cotangents=out)
@@ -88,10 +88,10 @@ def _capture_all(layers: Sequence[graphed_lib.GraphedCallable],
 
 
 def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
-            samples: Sequence[Sequence[tuple[Any, ...]]], plan: schedule_lib.Plan,
+            samples: Sequence[Sequence[tuple[Any, ...]]], parsed: schedule_lib.ParsedOrder,
             sizes: Sequence[int], iterations: int, *, rng: bool, delay_wgrad: bool,
             inference_only: bool, donate_argnums: tuple[int, ...]) -> None:
-  """Warmup phase: replays the order of `plan` exactly (without `order`: all forwards, then
+  """Warmup phase: replays the order of `parsed` exactly (without `order`: all forwards, then
   all backwards in reverse; `inference_only`: the outputs-only forwards alone); a wgrad
   without its own order entry runs right after its backward. Results are discarded; each
   forward gets fresh copies of the `donate_argnums` arguments."""
@@ -103,20 +103,20 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
   for iteration in range(iterations):
     stream = (base, jnp.uint32(iteration)) if rng else None
     pending = {}
-    for kind, i, m in _steps(plan, sizes, inference_only=inference_only):
+    for kind, i, m in _steps(parsed, sizes, inference_only=inference_only):
       layer, args = layers[i], data[i][m]
       if kind == "forward":
         if donate_argnums:
           args = _fresh(args, donate_argnums)
         leaves, treedef = jax.tree.flatten(args)
-        pending[i, m] = layer._forward(args, leaves, treedef, None, phase="warmup",
+        pending[i, m] = layer.forward(args, leaves, treedef, None, phase="warmup",
                                        iteration=iteration, microbatch=m,
                                        with_pullback=not inference_only, stream=stream)
         results.append(pending[i, m][0])
       elif kind == "backward":
-        out, pullback = pending[i, m] if plan.has_wgrad else pending.pop((i, m))
+        out, pullback = pending[i, m] if parsed.has_wgrad else pending.pop((i, m))
         results.append(pullback(_ones_like(out)))
-        if delay_wgrad and not plan.has_wgrad:
+        if delay_wgrad and not parsed.has_wgrad:
           results.append(pullback.wgrad())
       else:
         results.append(pending.pop((i, m))[1].wgrad())
@@ -147,7 +147,7 @@ def _warmup_between_hooks(built: Sequence[graphed_lib.GraphedCallable], layers: 
   if pre_warmup_hook is not None:
     pre_warmup_hook()
   try:
-    _warmup(built, layers.samples, layers.plan, layers.sizes, iterations, rng=config.rng,
+    _warmup(built, layers.samples, layers.parsed, layers.sizes, iterations, rng=config.rng,
             delay_wgrad=config.delay_wgrad, inference_only=config.inference_only,
             donate_argnums=config.donate_argnums)
   except BaseException as error:
@@ -352,7 +352,7 @@ def make_graphed(
                                offload=offload)
   built = _build_callables(layers, config, seed)
   with hooks_lib.capturing():
-    _capture_all(built, layers.samples, layers.plan, layers.sizes,
+    _capture_all(built, layers.samples, layers.parsed, layers.sizes,
                  inference_only=config.inference_only)
     _warmup_between_hooks(built, layers, config, iterations, pre_warmup_hook,
                           post_warmup_hook)

@@ -116,7 +116,7 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     if not isinstance(layer, GraphedCallable):
       raise TypeError(f"sequential_vjp: layers[{i}] is a {type(layer).__name__}, not a "
                       "GraphedCallable; build the stack with jaxgraph.make_graphed.")
-    layer._require_backward(f"sequential_vjp (layers[{i}])")
+    layer.require_backward(f"sequential_vjp (layers[{i}])")
   pullback_lib.check_carry(layers, params_list, x, *consts, where="sequential_vjp")
   if isinstance(fuse, bool):
     longest = None if fuse else 1
@@ -133,7 +133,7 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
   if prefetch:
     runs = prefetch_lib.runs(layers, params_list, 0, len(layers))
   else:
-    runs = [(lo, hi, hi - lo > 1) for lo, hi in fusion_lib.plan(layers, longest)]
+    runs = [(lo, hi, hi - lo > 1) for lo, hi in fusion_lib.runs(layers, longest)]
   steps = []
   for lo, hi, joined in runs:
     replayed = None

@@ -369,7 +369,7 @@ class Layers:
 
   fns: list[Callable[..., Any]]
   single: bool  # one callable given (not a sequence): one GraphedCallable returned
-  plan: schedule_lib.Plan  # the order (without `order`: every forward, every backward)
+  parsed: schedule_lib.ParsedOrder  # the order (without `order`: every forward, every backward)
   sizes: tuple[int, ...]  # layers per chunk of the order
   samples: list[list[tuple[Any, ...]]]  # [layer][microbatch] -> its sample_args
   flat_samples: list[tuple[Any, ...]]  # sample_args as given, one tuple per entry
@@ -391,12 +391,12 @@ def check_layers(fns: Any, hooks: Any, capture_time_hooks: Any, sample_args: Any
       raise ValueError("num_layers_per_chunk only applies with order=[...]; drop it, or pass "
                        "the pipeline order.")
     flat = _per_callable_args(sample_args, count, single)
-    plan, sizes, samples = NO_ORDER, (count,), [[args] for args in flat]
+    parsed, sizes, samples = NO_ORDER, (count,), [[args] for args in flat]
   else:
-    plan = schedule_lib.parse_order(order, delay_wgrad=delay_wgrad)
-    sizes = schedule_lib.layers_per_chunk(num_layers_per_chunk, plan.num_chunks, count)
-    flat, samples = _pipeline_args(sample_args, single, sizes, plan.num_microbatches)
-  return Layers(fn_list, single, plan, tuple(sizes), samples, flat,
+    parsed = schedule_lib.parse_order(order, delay_wgrad=delay_wgrad)
+    sizes = schedule_lib.layers_per_chunk(num_layers_per_chunk, parsed.num_chunks, count)
+    flat, samples = _pipeline_args(sample_args, single, sizes, parsed.num_microbatches)
+  return Layers(fn_list, single, parsed, tuple(sizes), samples, flat,
                  offload=_per_callable_flags(offload_residuals, count, "offload_residuals"),
                  hooks=hooks_lib.per_callable(hooks, count, "hooks"),
                  capture_time_hooks=hooks_lib.per_callable(capture_time_hooks, count,

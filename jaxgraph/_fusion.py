@@ -21,7 +21,7 @@ from jaxgraph import _signature as sig_lib
 
 
 @dataclasses.dataclass(frozen=True)
-class Chain:
+class Composed:
   """`chain(params, x, *consts, key=None)`: `x = fns[i](params[i], x, *consts[, key=key[i]])`
   in turn, each function as its layer's executables run it.
 
@@ -65,12 +65,12 @@ class Chain:
 def fusable(layer: graphed_lib.GraphedCallable) -> bool:
   """Whether a layer may share executables with its neighbours: no replay-time hook (a hook
   needs the host boundary) and no delayed wgrad (its own dgrad/wgrad split)."""
-  hooks = layer._hooks["replay"]
+  hooks = layer.phase_hooks["replay"]
   return (not any(getattr(hooks, kind) for kind in hooks_lib.HOOK_KINDS)
-          and not layer._config.delay_wgrad)
+          and not layer.config.delay_wgrad)
 
 
-def plan(layers: Sequence[graphed_lib.GraphedCallable], longest: int | None = None
+def runs(layers: Sequence[graphed_lib.GraphedCallable], longest: int | None = None
          ) -> list[tuple[int, int]]:
   """`[lo, hi)` runs of `layers`: maximal runs of fusable layers from one `make_graphed`
   call with the same offload setting, each layer at most once in a run (a repeated layer
@@ -91,8 +91,8 @@ def plan(layers: Sequence[graphed_lib.GraphedCallable], longest: int | None = No
 
 
 def _joins(first: graphed_lib.GraphedCallable, layer: graphed_lib.GraphedCallable) -> bool:
-  return (fusable(first) and layer._config is first._config
-          and layer._offload.enabled == first._offload.enabled)
+  return (fusable(first) and layer.config is first.config
+          and layer.offloader.enabled == first.offloader.enabled)
 
 
 class FusedSegment(graphed_lib.GraphedCallable):
@@ -106,31 +106,31 @@ class FusedSegment(graphed_lib.GraphedCallable):
   def __init__(self, layers: Sequence[graphed_lib.GraphedCallable]):
     first = layers[0]
     self._layers = tuple(layers)
-    chain = Chain(tuple(layer.fn for layer in layers), remat_policy=first._config.remat_policy)
-    super().__init__(chain, first.index, first._config,
+    chain = Composed(tuple(layer.fn for layer in layers), remat_policy=first.config.remat_policy)
+    super().__init__(chain, first.index, first.config,
                      hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
-                     offload=first._offload.enabled)
-    self._set_name(f"fused({first.name}..{layers[-1].name})")
+                     offload=first.offloader.enabled,
+                     name=f"fused({first.name}..{layers[-1].name})")
 
   @property
-  def _n_keys(self) -> int:
-    return len(self._layers) if self._config.rng else 0
+  def n_keys(self) -> int:
+    return len(self._layers) if self.config.rng else 0
 
   @property
-  def _remat_policy(self) -> None:
+  def remat_policy(self) -> None:
     return None  # the chain applies it per function
 
   @property
-  def _warns_of_constant_keys(self) -> bool:
+  def warns_of_constant_keys(self) -> bool:
     return False  # a constant key is in its layer at every signature: that capture warned
 
-  def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
+  def differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
     """With a `grad_mask`: each layer's params leaves as its mask says of `(params_i, x,
     *consts)`, the input `x` as the first layer's says; the consts none (the chain stops
     their gradient)."""
-    mask = self._config.grad_mask
+    mask = self.config.grad_mask
     if mask is None:
-      return super()._differentiated(signature)
+      return super().differentiated(signature)
     params, x, *consts = jax.tree.unflatten(
         signature.treedef, [sig_lib.abstract(s) for s in signature.leaves])
     flags: list[bool] = []
@@ -142,18 +142,18 @@ class FusedSegment(graphed_lib.GraphedCallable):
     flags += [False] * len(jax.tree.leaves(consts))
     return pullback_lib.differentiated_leaves(signature, flags)
 
-  def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
-    return [value for layer in self._layers for value in layer._stream_inputs(stream)]
+  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
+    return [value for layer in self._layers for value in layer.stream_inputs(stream)]
 
-  def _advance(self, counters: list[jax.Array]) -> None:
+  def advance(self, counters: list[jax.Array]) -> None:
     for layer, counter in zip(self._layers, counters):
-      layer._advance([counter])
+      layer.advance([counter])
 
-  def _exclusive(self) -> Any:
+  def exclusive(self) -> Any:
     acquired = []
     try:
       for owner in (self, *self._layers):
-        acquired.append(graphed_lib.GraphedCallable._exclusive(owner))
+        acquired.append(graphed_lib.GraphedCallable.exclusive(owner))
     except BaseException:
       for release in acquired:
         release.__exit__(None, None, None)
@@ -163,7 +163,7 @@ class FusedSegment(graphed_lib.GraphedCallable):
   def replayable(self, signature: sig_lib.Signature) -> bool:
     """Whether `signature` is captured or may be (within `max_captures`); otherwise the
     layers run one by one, each under its own max_captures and fallback."""
-    return signature in self._entries or len(self._entries) < self._config.max_captures
+    return signature in self.executables.entries or len(self.executables.entries) < self.config.max_captures
 
   def vjp_chain(self, params: Sequence[Any], x: Any, consts: tuple[Any, ...],
                 keys: Sequence[jax.Array] | None) -> tuple[Any, graphed_lib.Pullback] | None:
@@ -176,19 +176,19 @@ class FusedSegment(graphed_lib.GraphedCallable):
       return None
     if keys is not None:
       for layer, key in zip(self._layers, keys):
-        layer._flatten((), key, {})  # the same key checks as an unfused call
+        layer.flatten((), key, {})  # the same key checks as an unfused call
     signature = sig_lib.signature_of(leaves, treedef)
     if not self.replayable(signature):
       return None
-    with self._exclusive():
-      return self._forward(args, leaves, treedef, None if keys is None else tuple(keys),
-                           phase="replay", iteration=self._counts.replays, microbatch=0,
+    with self.exclusive():
+      return self.forward(args, leaves, treedef, None if keys is None else tuple(keys),
+                           phase="replay", iteration=self.counts.replays, microbatch=0,
                            with_pullback=True, signature=signature)
 
-  def _count_replay(self, *, backward: bool) -> None:
-    super()._count_replay(backward=backward)
+  def count_replay(self, *, backward: bool) -> None:
+    super().count_replay(backward=backward)
     for layer in self._layers:
-      layer._count_replay(backward=backward)
+      layer.count_replay(backward=backward)
 
 
 class _ReleaseAll:
@@ -207,7 +207,7 @@ class _ReleaseAll:
 
 def segment(layers: Sequence[graphed_lib.GraphedCallable]) -> FusedSegment:
   """The FusedSegment of these layers, made once and kept with their `make_graphed` call."""
-  config = layers[0]._config
+  config = layers[0].config
   key = tuple(layers)
   with config.lock:
     found = config.segments.get(key)

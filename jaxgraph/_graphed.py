@@ -1,6 +1,6 @@
 """`GraphedCallable`: replays one function's cached executables from the host.
 
-Its parts: the callable's state (`Config` shared by one `make_graphed` call, `_Counters`
+Its parts: the callable's state (`Config` shared by one `make_graphed` call, `Counters`
 behind `Stats`, a `rng.KeyStream`), finding or capturing the executables of a signature,
 and the replay of one forward executable, whose backward is a `pullback.Pullback`
 (pullback.py). Which kept buffers go to host memory is the `offload.Offloader`'s, which
@@ -11,14 +11,13 @@ fire in a phase `hooks.by_phase`'s.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
-import warnings
 from typing import Any, Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxgraph import _cache as cache_lib
 from jaxgraph import _capture as capture_lib
 from jaxgraph import _hooks as hooks_lib
 from jaxgraph import _pullback as pullback_lib
@@ -29,9 +28,6 @@ from jaxgraph import rng as rng_lib
 from jaxgraph._pullback import Pullback  # by name: docs/api.md shows the type
 
 OnNewSignature = Literal["capture", "error"]
-
-# A capture after a callable's first says so here, at WARNING (docs/semantics.md#signatures).
-logger = logging.getLogger("jaxgraph")
 
 
 class Stats(NamedTuple):
@@ -103,7 +99,7 @@ class Config:
 
 
 @dataclasses.dataclass
-class _Counters:
+class Counters:
   """What `Stats` reports, as this callable counts it (a fused segment's too)."""
 
   captures: int = 0
@@ -118,7 +114,7 @@ class _Counters:
     self.compiles += compiles
     self.compile_seconds += seconds
 
-  def snapshot(self, segments: list[_Counters], residual_bytes: int,
+  def snapshot(self, segments: list[Counters], residual_bytes: int,
                offload_bytes: int, wgrad_bytes: int) -> Stats:
     """`Stats` of these counts, with the captures and compiles of `segments` added."""
     return Stats(self.captures + sum(c.captures for c in segments),
@@ -138,34 +134,29 @@ class GraphedCallable:
   """
 
   def __init__(self, fn: Callable[..., Any], index: int, config: Config, *,
-               hooks: hooks_lib.Hooks, capture_time_hooks: hooks_lib.Hooks, offload: bool):
+               hooks: hooks_lib.Hooks, capture_time_hooks: hooks_lib.Hooks, offload: bool,
+               name: str | None = None):
     self.fn = fn
     self.index = index
-    self._set_name(f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]")
-    self._config = config
+    self.name = name or f"{getattr(fn, '__name__', type(fn).__name__)}[{index}]"
+    # Each replay shows up under these names in a jax.profiler trace (TensorBoard, Perfetto).
+    self.trace_names = (f"jaxgraph {self.name} forward", f"jaxgraph {self.name} backward")
+    self.config = config
     # What runs outside the executables (traced calls, the jax.jit fallback): the same math
     # as the captured executables, so under the same residual policy.
-    self._uncaptured_fn = (fn if self._remat_policy is None else
-                           jax.checkpoint(fn, policy=self._remat_policy, prevent_cse=False))
-    self._hooks = hooks_lib.by_phase(hooks, capture_time_hooks)
-    self._offload = offload_lib.Offloader(config.offload, enabled=offload)
-    self._entries: dict[sig_lib.Signature, capture_lib.Executables] = {}
-    self._own: set[Any] = set()  # cache keys this callable captured (reset() drops them)
-    self._replayed: dict[Any, Any] = {}  # a shared executable -> the one this callable runs
-    self._fallback: Callable[..., Any] | None = None
+    self.uncaptured_fn = (fn if self.remat_policy is None else
+                          jax.checkpoint(fn, policy=self.remat_policy, prevent_cse=False))
+    self.phase_hooks = hooks_lib.by_phase(hooks, capture_time_hooks)
+    self.offloader = offload_lib.Offloader(config.offload, enabled=offload)
+    self.executables = cache_lib.ExecutableCache(self)
+    self.counts = Counters()
     self._busy = threading.Lock()
-    self._counts = _Counters()
     self._stream: rng_lib.KeyStream | None = None
     if config.rng:
       self.seed(jax.random.key(0))
 
-  def _set_name(self, name: str) -> None:
-    self.name = name
-    # Each replay shows up under these names in a jax.profiler trace (TensorBoard, Perfetto).
-    self._trace_names = (f"jaxgraph {name} forward", f"jaxgraph {name} backward")
-
   def __repr__(self) -> str:
-    return f"GraphedCallable({self.name}, signatures={len(self._entries)})"
+    return f"GraphedCallable({self.name}, signatures={len(self.executables.entries)})"
 
   # ----------------------------------------------------------------------------- public API
 
@@ -176,14 +167,14 @@ class GraphedCallable:
     The captures and compiles of fused segments (`sequential_vjp(..., fuse=True)`) count on
     their first layer.
     """
-    last = next(reversed(self._entries.values()), None)
+    last = self.executables.last
     residual_bytes = offload_bytes = wgrad_bytes = 0
     if last is not None:
       residual_bytes = last.residual_bytes
-      offload_bytes = self._offload.nbytes(last.layout.buffers)
+      offload_bytes = self.offloader.nbytes(last.layout.buffers)
       wgrad_bytes = capture_lib.wgrad_bytes(last)
-    return self._counts.snapshot([segment._counts for segment in self._led_segments()],
-                                 residual_bytes, offload_bytes, wgrad_bytes)
+    return self.counts.snapshot([segment.counts for segment in self._led_segments()],
+                                residual_bytes, offload_bytes, wgrad_bytes)
 
   @property
   def kept_buffers(self) -> tuple[offload_lib.Buffer, ...]:
@@ -194,35 +185,21 @@ class GraphedCallable:
     `jaxgraph.offload.plan` takes per layer to move part of each layer
     (`[b.nbytes for b in g.kept_buffers]`). They sum to `stats.residual_bytes`.
     """
-    last = next(reversed(self._entries.values()), None)
+    last = self.executables.last
     return () if last is None else last.layout.buffers
 
   def reset(self) -> None:
     """Drops this callable's executables, and those of fused segments it belongs to; its
     next call captures again (and counts anew)."""
-    config = self._config
+    config = self.config
     with config.lock:
-      for key in self._own:
-        config.cache.pop(key, None)
       dropped = [key for key in config.segments if self in key]
       segments = [config.segments.pop(key) for key in dropped]
       config.prefetch.clear()
     for segment in segments:
       segment.reset()
-    self._entries.clear()
-    self._own.clear()
-    self._replayed.clear()
-    self._offload.clear()
-    self._fallback = None
-
-  def _count_replay(self, *, backward: bool) -> None:
-    if backward:
-      self._counts.backward_replays += 1
-    else:
-      self._counts.replays += 1
-
-  def _led_segments(self) -> list[Any]:
-    return [segment for key, segment in self._config.segments.items() if key[0] is self]
+    self.executables.clear()
+    self.offloader.clear()
 
   def seed(self, key: jax.Array | int, *, counter: int = 0) -> None:
     """Sets this callable's key stream (`rng=True`): base key and position.
@@ -251,12 +228,12 @@ class GraphedCallable:
 
   def __call__(self, *args: Any, key: jax.Array | None = None, **kwargs: Any) -> Any:
     """Replays the forward executable (no residuals are kept)."""
-    leaves, treedef = self._flatten(args, key, kwargs)
+    leaves, treedef = self.flatten(args, key, kwargs)
     if leaves is None:
       return self._call_traced(args, key)
-    with self._exclusive():
-      return self._forward(args, leaves, treedef, key, phase="replay",
-                           iteration=self._counts.replays, microbatch=0, with_pullback=False)[0]
+    with self.exclusive():
+      return self.forward(args, leaves, treedef, key, phase="replay",
+                          iteration=self.counts.replays, microbatch=0, with_pullback=False)[0]
 
   def vjp(self, *args: Any, key: jax.Array | None = None,
           **kwargs: Any) -> tuple[Any, Callable[[Any], tuple[Any, ...]]]:
@@ -266,28 +243,24 @@ class GraphedCallable:
       TypeError: for a callable built with `make_graphed(..., inference_only=True)`, which
         has no backward.
     """
-    self._require_backward("vjp")
-    leaves, treedef = self._flatten(args, key, kwargs)
+    self.require_backward("vjp")
+    leaves, treedef = self.flatten(args, key, kwargs)
     if leaves is None:
       return self._vjp_traced(args, key)
-    with self._exclusive():
-      return self._forward(args, leaves, treedef, key, phase="replay",
-                           iteration=self._counts.replays, microbatch=0, with_pullback=True)
+    with self.exclusive():
+      return self.forward(args, leaves, treedef, key, phase="replay",
+                          iteration=self.counts.replays, microbatch=0, with_pullback=True)
 
-  # ----------------------------------------------------------------------------- internals
+  # ------------------------------------------ the package's interface (`_pullback.Owner`)
 
-  def _require_rng(self) -> None:
-    if not self._config.rng:
-      raise ValueError(f"{self.name} was built with rng=False; it has no key stream.")
-
-  def _require_backward(self, caller: str) -> None:
-    if self._config.inference_only:
+  def require_backward(self, caller: str) -> None:
+    if self.config.inference_only:
       raise TypeError(
           f"{caller}: {self.name} was built with make_graphed(..., inference_only=True), so "
           "it has no backward executable and keeps no residuals. Call it for the outputs "
           "only (y = layer(*args)), or build it without inference_only=True to train it.")
 
-  def _exclusive(self) -> Any:
+  def exclusive(self) -> Any:
     if not self._busy.acquire(blocking=False):
       raise RuntimeError(
           f"{self.name} is already running in another thread. A GraphedCallable is not "
@@ -295,14 +268,14 @@ class GraphedCallable:
           "different GraphedCallables may run in different threads.")
     return _Release(self._busy)
 
-  def _flatten(self, args: tuple[Any, ...], key: Any, kwargs: dict[str, Any]
-               ) -> tuple[list[Any] | None, Any]:
+  def flatten(self, args: tuple[Any, ...], key: Any, kwargs: dict[str, Any]
+              ) -> tuple[list[Any] | None, Any]:
     if kwargs:
       raise TypeError(
           f"{self.name} got keyword arguments {sorted(kwargs)}; only positional arguments are "
-          "captured" + (" (and key=)" if self._config.rng else "") + ". Pass them "
+          "captured" + (" (and key=)" if self.config.rng else "") + ". Pass them "
           "positionally, or bind them with functools.partial before make_graphed.")
-    if key is not None and not self._config.rng:
+    if key is not None and not self.config.rng:
       raise TypeError(f"{self.name} got key= but was built with rng=False; build it with "
                       "make_graphed(..., rng=True) to thread keys.")
     leaves, treedef = jax.tree.flatten(args)
@@ -312,115 +285,17 @@ class GraphedCallable:
       rng_lib.check_key(key, self.name)
     return leaves, treedef
 
-  def _call_traced(self, args: tuple[Any, ...], key: Any) -> Any:
-    # under the user's jax.grad too, no gradient where the mask says
-    args = pullback_lib.stop_masked(args, self._config.grad_mask)
-    args = flat_lib.unravel(args)  # as inside a capture: fn sees its own pytrees
-    if self._config.rng:
-      if key is None:
-        raise TypeError(f"{self.name} was called under a JAX transformation without key=; "
-                        "its own stream lives outside traces, so pass key= explicitly.")
-      return self._uncaptured_fn(*args, key=key)
-    return self._uncaptured_fn(*args)
+  def count_replay(self, *, backward: bool) -> None:
+    if backward:
+      self.counts.backward_replays += 1
+    else:
+      self.counts.replays += 1
 
-  def _vjp_traced(self, args: tuple[Any, ...], key: Any) -> Any:
-    return pullback_lib.masked_vjp(lambda *a: self._call_traced(a, key), args,
-                                   self._config.grad_mask)
-
-  def _entry(self, signature: sig_lib.Signature, *, sampled: bool = False
-             ) -> capture_lib.Executables | None:
-    """The executables for `signature`: cached, captured now, or None (fallback). `sampled`:
-    a signature of the sample_args, which make_graphed captures (neither an error nor a log)."""
-    entry = self._entries.get(signature)
-    if entry is not None:
-      return entry
-    config = self._config
-    captured = [] if sampled else list(self._entries)
-    if captured and config.on_new_signature == "error":
-      raise TypeError(
-          f"{self.name} was called with a signature it did not capture "
-          f"(on_new_signature='error'):\n{_new_signature(captured, signature)}\n"
-          "Pass arguments like the sample_args, or build with on_new_signature='capture'.")
-    if len(self._entries) >= config.max_captures:
-      if self._fallback is None:
-        warnings.warn(
-            f"{self.name} has captured max_captures={config.max_captures} signatures; calls "
-            "with new signatures now run through jax.jit (no hooks are lost, but each new "
-            "signature compiles). Raise max_captures, or keep argument shapes fixed.",
-            stacklevel=4)
-        self._fallback = jax.jit(flat_lib.unravelling(self._uncaptured_fn),
-                                 donate_argnums=config.donate_argnums)
-      return None
-    before = dataclasses.replace(self._counts)  # a copy: what this capture adds to it
-    entry = self._capture(signature)
-    if (captured and self._counts.captures > before.captures  # compiled here: no cache hit
-        and logger.isEnabledFor(logging.WARNING)):
-      self._log_new_signature(captured, signature,
-                              self._counts.compile_seconds - before.compile_seconds)
-    return entry
-
-  def _log_new_signature(self, captured: list[sig_lib.Signature],
-                         signature: sig_lib.Signature, seconds: float) -> None:
-    """Says on the `jaxgraph` logger that a signature after the first was captured: where it
-    differs from the closest one captured before, and what it cost."""
-    logger.warning(
-        "%s captured a new input signature (%d of max_captures=%d; compiled in %.2f s). It "
-        "differs from the closest one captured before:\n%s\nArguments like the "
-        "sample_args replay without compiling. make_graphed(..., on_new_signature='error') "
-        "raises here instead; a program that means to capture several signatures silences "
-        "this with logging.getLogger('jaxgraph').setLevel(logging.ERROR).",
-        self.name, len(self._entries), self._config.max_captures, seconds,
-        _new_signature(captured, signature))
-
-  def _cache_key(self, signature: sig_lib.Signature) -> tuple[Any, ...]:
-    return (self.fn, signature, self._offload.in_executables)
-
-  def _capture(self, signature: sig_lib.Signature) -> capture_lib.Executables:
-    config = self._config
-    cache_key = self._cache_key(signature)
-    with config.lock:
-      entry = config.cache.get(cache_key)
-      if entry is None:
-        try:
-          if config.inference_only:
-            entry = capture_lib.capture_inference(
-                self.fn, signature, n_keys=self._n_keys, name=self.name,
-                donated=pullback_lib.argument_leaves(signature.treedef,
-                                                    config.donate_argnums),
-                warned_weights=config.warned_weights,
-                compiler_options=config.compiler_options)
-          else:
-            diff = self._differentiated(signature)
-            entry = capture_lib.capture(
-                self.fn, signature, n_keys=self._n_keys, diff=diff,
-                backward=pullback_lib.backward_plan(
-                    diff, signature.treedef, delay_wgrad=config.delay_wgrad,
-                    wgrad_argnums=config.wgrad_argnums),
-                offload=config.offload if cache_key[-1] else None,
-                remat_policy=self._remat_policy, name=self.name,
-                loose_names=config.offload.names is not None,
-                warn_constant_keys=self._warns_of_constant_keys,
-                warned_weights=config.warned_weights, twin=self._twin(signature),
-                compiler_options=config.compiler_options)
-        except Exception as e:
-          e.add_note(f"while capturing {self.name} for a new input signature: "
-                     f"{sig_lib.describe(signature)}")
-          raise
-        config.cache[cache_key] = entry
-        self._own.add(cache_key)
-        self._counts.captures += 1
-        self._counts.compiled(entry.compiles, entry.compile_seconds)
-      else:
-        self._counts.cache_hits += 1
-    self._entries[signature] = entry
-    self._offload.captured(signature, entry.layout.buffers, owner=self.name)
-    return entry
-
-  def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
+  def differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
     """The argument leaves of `signature` that get gradients (`pullback.masked_leaves`)."""
-    return pullback_lib.masked_leaves(signature, self._config.grad_mask)
+    return pullback_lib.masked_leaves(signature, self.config.grad_mask)
 
-  def _forward(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any, key: Any, *,
+  def forward(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any, key: Any, *,
                phase: hooks_lib.Phase, iteration: int, microbatch: int, with_pullback: bool,
                stream: tuple[jax.Array, jax.Array] | None = None,
                signature: sig_lib.Signature | None = None) -> Any:
@@ -428,8 +303,8 @@ class GraphedCallable:
     `signature` is that of `leaves`, where the caller already has it."""
     if signature is None:
       signature = sig_lib.signature_of(leaves, treedef)
-    entry = self._entry(signature)
-    hooks = self._hooks[phase]
+    entry = self.executables.get(signature)
+    hooks = self.phase_hooks[phase]
     event = hooks_lib.HookEvent(self.index, phase, iteration, microbatch, args)
     if hooks.pre_forward:
       hooks_lib.fire(hooks.pre_forward, "pre_forward", event, self.name)
@@ -438,49 +313,61 @@ class GraphedCallable:
     else:
       result = self._replay_forward(entry, leaves, key, with_pullback, event, stream)
     if phase == "replay":
-      self._count_replay(backward=False)
+      self.count_replay(backward=False)
     if hooks.forward:
       hooks_lib.fire(hooks.forward, "forward", dataclasses.replace(event, outputs=result[0]),
                      self.name)
     return result
 
-  def _local(self, entry: capture_lib.Executables, exe: Any) -> Any:
-    """The executable this callable replays for `exe` of `entry`: `exe` itself, or with
-    `per_layer_executables` a loaded copy of its own where an identical callable captured
-    `entry` (and replays `exe` itself)."""
-    local = self._replayed.get(exe)
-    if local is None:
-      captured_here = self._cache_key(entry.signature) in self._own
-      local = (capture_lib.loaded_copy(exe)
-               if self._config.per_layer_executables and not captured_here else exe)
-      self._replayed[exe] = local
-    return local
+  @property
+  def n_keys(self) -> int:
+    return 1 if self.config.rng else 0
 
   @property
-  def _n_keys(self) -> int:
-    return 1 if self._config.rng else 0
-
-  @property
-  def _remat_policy(self) -> Callable[..., bool] | None:
+  def remat_policy(self) -> Callable[..., bool] | None:
     """The residual policy applied around `fn` (a fused chain applies it per function)."""
-    return self._config.remat_policy
+    return self.config.remat_policy
 
-  def _twin(self, signature: sig_lib.Signature) -> Any:
+  def twin(self, signature: sig_lib.Signature) -> Any:
     """The `explicit.Twin` to trace `signature` on, or None: as it is (a prefetching step
     traces on the twin of its FSDP mesh)."""
     return None
 
   @property
-  def _warns_of_constant_keys(self) -> bool:
+  def warns_of_constant_keys(self) -> bool:
     """Whether a capture warns of keys that are constants of `fn` (a frozen dropout mask)."""
     return True
 
-  def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
+  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
     """(base, index, counter) for the stream forward; `stream` overrides base and counter."""
     return self._stream.inputs(stream)
 
-  def _advance(self, counters: list[jax.Array]) -> None:
+  def advance(self, counters: list[jax.Array]) -> None:
     (self._stream.counter,) = counters
+
+  # ----------------------------------------------------------------------------- internals
+
+  def _led_segments(self) -> list[Any]:
+    return [segment for key, segment in self.config.segments.items() if key[0] is self]
+
+  def _require_rng(self) -> None:
+    if not self.config.rng:
+      raise ValueError(f"{self.name} was built with rng=False; it has no key stream.")
+
+  def _call_traced(self, args: tuple[Any, ...], key: Any) -> Any:
+    # under the user's jax.grad too, no gradient where the mask says
+    args = pullback_lib.stop_masked(args, self.config.grad_mask)
+    args = flat_lib.unravel(args)  # as inside a capture: fn sees its own pytrees
+    if self.config.rng:
+      if key is None:
+        raise TypeError(f"{self.name} was called under a JAX transformation without key=; "
+                        "its own stream lives outside traces, so pass key= explicitly.")
+      return self.uncaptured_fn(*args, key=key)
+    return self.uncaptured_fn(*args)
+
+  def _vjp_traced(self, args: tuple[Any, ...], key: Any) -> Any:
+    return pullback_lib.masked_vjp(lambda *a: self._call_traced(a, key), args,
+                                   self.config.grad_mask)
 
   def _replay_forward(self, entry: capture_lib.Executables, leaves: list[Any], key: Any,
                       with_pullback: bool, event: hooks_lib.HookEvent,
@@ -491,11 +378,11 @@ class GraphedCallable:
     inputs = leaves if key is None else leaves + (list(key) if layout.n_keys > 1 else [key])
     exe, seconds = capture_lib.forward_executable(entry, kind, residuals=with_pullback)
     if seconds:
-      self._counts.compiled(1, seconds)
-    exe = self._local(entry, exe)
+      self.counts.compiled(1, seconds)
+    exe = self.executables.local(entry, exe)
     try:
-      with jax.profiler.TraceAnnotation(self._trace_names[0]):
-        values = (exe(*self._stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
+      with jax.profiler.TraceAnnotation(self.trace_names[0]):
+        values = (exe(*self.stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
     except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
       if entry.donated and pullback_lib.any_deleted(leaves):
         raise RuntimeError(
@@ -510,18 +397,18 @@ class GraphedCallable:
       values = values[:n]
       inputs = inputs + derived
     outs, kept = values[:layout.n_out], values[layout.n_out:]
-    to_host = self._offload.to_host.get(entry.signature, ()) if with_pullback else ()
+    to_host = self.offloader.to_host.get(entry.signature, ()) if with_pullback else ()
     if to_host:
       offload_lib.start_to_host_in(kept, to_host)
     if stream_mode and stream is None:  # the key is spent only once nothing can fail
-      self._advance(counters)
+      self.advance(counters)
     if not with_pullback:
       return (jax.tree.unflatten(layout.out_treedef, values),)
     backward = pullback_lib.ExecutableBackward(
         self, entry, needed_inputs=[inputs[i] for i in layout.needed_inputs],
         needed_outputs=[outs[i] for i in layout.needed_outputs], kept=kept, on_host=to_host,
         placements=sig_lib.respelled(leaves, layout.diff))
-    hooks = self._hooks[event.phase]
+    hooks = self.phase_hooks[event.phase]
     if not (hooks.pre_backward or hooks.backward):
       # Without backward hooks nobody reads the args again: don't keep them alive.
       event = hooks_lib.HookEvent(event.index, event.phase, event.iteration, event.microbatch, ())
@@ -529,9 +416,9 @@ class GraphedCallable:
 
   def _fallback_forward(self, args: tuple[Any, ...], key: Any, with_pullback: bool,
                         event: hooks_lib.HookEvent) -> Any:
-    jitted = self._fallback
-    from_stream = self._config.rng and key is None
-    if self._config.rng:
+    jitted = self.executables.fallback
+    from_stream = self.config.rng and key is None
+    if self.config.rng:
       if from_stream:
         key = rng_lib.derive_key(*self._stream.inputs())
       fn = lambda *a: jitted(*a, key=key)
@@ -540,26 +427,13 @@ class GraphedCallable:
     if not with_pullback:
       result = (fn(*args),)
     else:
-      out, vjp_fn = pullback_lib.masked_vjp(fn, args, self._config.grad_mask)
+      out, vjp_fn = pullback_lib.masked_vjp(fn, args, self.config.grad_mask)
       result = out, Pullback(self, event, lambda ct: (vjp_fn(ct), None))
     # Counted (and the stream advanced) only once the call succeeded.
-    self._counts.fallbacks += 1
+    self.counts.fallbacks += 1
     if from_stream:
       self._stream.counter = self._stream.counter + jnp.uint32(1)
     return result
-
-
-def _new_signature(captured: list[sig_lib.Signature], signature: sig_lib.Signature) -> str:
-  """Where `signature` differs from the closest of the `captured` ones, and, where a sharding
-  changed, what that costs."""
-  closest = sig_lib.closest(captured, signature)
-  text = sig_lib.describe_mismatch(closest, signature)
-  if sig_lib.sharding_changed(closest, signature):
-    text += ("\nA sharding changed, and gradients come back placed like their arguments: "
-             "params that lost their FSDP sharding get replicated gradients. Keep the params' "
-             "shardings through the optimizer, e.g. jax.jit(update, "
-             "out_shardings=jaxgraph.fsdp.shardings(params, mesh)).")
-  return text
 
 
 class _Release:

@@ -41,17 +41,70 @@ FROZEN_GRADS_KNOWN = threading.Event()
 
 
 class Owner(Protocol):
-  """What a pullback uses of the `GraphedCallable` that replayed its forward (graphed.py
-  imports this module, so the type is named by what it does)."""
+  """`GraphedCallable`'s interface inside the package: what the other modules (the cache, a
+  pullback, make_graphed's capture and warmup, fused and prefetching steps, pipelines) use
+  of a graphed callable, beside its public members. Named by what it does: _graphed.py
+  imports this module. docs/gen_api.py leaves these members out of the API page.
 
+  Attributes:
+    fn: the function captured (a fused step's: the composed chain).
+    index: its position in its `make_graphed` call (its key stream's index).
+    name: how errors, logs and profiles name it (`block[3]`).
+    trace_names: its forward's and backward's names in a `jax.profiler` trace.
+    config: the settings of its `make_graphed` call (`_graphed.Config`).
+    counts: what its `stats` report (`_graphed.Counters`).
+    phase_hooks: its hooks per phase (`_hooks.by_phase`).
+    offloader: which of its kept buffers go to host memory (`offload.Offloader`).
+    executables: its executables per signature (`_cache.ExecutableCache`).
+    uncaptured_fn: `fn` as it runs outside the executables (under `remat_policy`).
+    n_keys: keys its function takes per call (0 without rng; a fused step: one a layer).
+    remat_policy: the residual policy its capture applies around `fn`.
+    warns_of_constant_keys: whether its capture warns of keys that are constants of `fn`.
+  """
+
+  fn: Callable[..., Any]
+  index: int
   name: str
-  _config: Any
-  _trace_names: tuple[str, str]
-  _hooks: dict[hooks_lib.Phase, hooks_lib.Hooks]  # `hooks.by_phase`
+  trace_names: tuple[str, str]
+  config: Any
+  counts: Any
+  phase_hooks: dict[hooks_lib.Phase, hooks_lib.Hooks]
+  offloader: offload_lib.Offloader
+  executables: Any
+  uncaptured_fn: Callable[..., Any]
+  n_keys: int
+  remat_policy: Callable[..., bool] | None
+  warns_of_constant_keys: bool
 
-  def _local(self, entry: capture_lib.Executables, exe: Any) -> Any: ...
-  def _exclusive(self) -> Any: ...
-  def _count_replay(self, *, backward: bool) -> None: ...
+  def exclusive(self) -> Any:
+    """Holds the callable for one use (raises if another thread holds it)."""
+
+  def count_replay(self, *, backward: bool) -> None:
+    """Counts one forward or backward replay."""
+
+  def flatten(self, args: tuple[Any, ...], key: Any, kwargs: dict[str, Any]
+              ) -> tuple[list[Any] | None, Any]:
+    """Checks a call's arguments; their leaves (None under a trace) and treedef."""
+
+  def forward(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any, key: Any, *,
+              phase: hooks_lib.Phase, iteration: int, microbatch: int, with_pullback: bool,
+              stream: Any = None, signature: Any = None) -> Any:
+    """One forward in `phase`: hooks, executable, pullback."""
+
+  def require_backward(self, caller: str) -> None:
+    """Raises for a callable built inference-only."""
+
+  def differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
+    """The argument leaves of `signature` that get gradients."""
+
+  def twin(self, signature: sig_lib.Signature) -> Any:
+    """The Explicit twin mesh to trace `signature` on, or None."""
+
+  def stream_inputs(self, stream: Any) -> list[Any]:
+    """The key stream's inputs to a forward (`stream` overrides base and counter)."""
+
+  def advance(self, counters: list[Any]) -> None:
+    """Moves the key stream on to the counters a forward returned."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,7 +243,7 @@ def check_carry(layers: Sequence[Any], params: Sequence[Any], x: Any, *rest: Any
   `x` stands for every layer's input (a stack carries one structure)."""
   checked = set()
   for i, layer in enumerate(layers[1:], 1):
-    config = layer._config
+    config = layer.config
     if config.grad_mask is None or id(config) in checked:
       continue
     checked.add(id(config))
@@ -288,7 +341,7 @@ def stop_masked(args: tuple[Any, ...], grad_mask: Any) -> tuple[Any, ...]:
                                       for leaf, flag in zip(leaves, flags)])
 
 
-def backward_plan(diff: tuple[int, ...], treedef: Any, *, delay_wgrad: bool,
+def backward_kinds(diff: tuple[int, ...], treedef: Any, *, delay_wgrad: bool,
                   wgrad_argnums: tuple[int, ...]
                   ) -> list[tuple[capture_lib.BackwardKind, tuple[int, ...]]]:
   """Which backward executables to build and which argument leaves each returns grads of
@@ -397,7 +450,7 @@ class ExecutableBackward:
     values, self._stash = values[:len(select)], values[len(select):]
     self._keep_for_wgrad()
     wgrad_select = entry.backward["wgrad"][1]
-    argnums = self.owner._config.wgrad_argnums
+    argnums = self.owner.config.wgrad_argnums
     dgrad_argnums = tuple(i for i in range(len(arg_ranges(entry.signature.treedef)))
                           if i not in argnums)
     return (assemble(entry, values, select, dgrad_argnums),
@@ -427,12 +480,12 @@ class ExecutableBackward:
   def _run(self, kind: capture_lib.BackwardKind, cts: list[Any]) -> list[Any]:
     self.prefetch()
     owner = self.owner
-    exe = owner._local(self.entry, self.entry.backward[kind][0])
+    exe = owner.executables.local(self.entry, self.entry.backward[kind][0])
     args = [*self.needed_inputs, *self.needed_outputs, *self.kept, *cts]
     if kind == "wgrad":
       args = [args[i] for i in self.entry.split.reads] + self._stash
     try:
-      with jax.profiler.TraceAnnotation(owner._trace_names[1]):
+      with jax.profiler.TraceAnnotation(owner.trace_names[1]):
         grads = exe(*args)
     except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
       if any_deleted(args):
@@ -512,9 +565,9 @@ class Pullback:
 
   def __call__(self, cotangents: Any) -> tuple[Any, ...]:
     owner, event = self._owner, self._event
-    hooks = owner._hooks[event.phase]
+    hooks = owner.phase_hooks[event.phase]
     pre, post = hooks.pre_backward, hooks.backward
-    with owner._exclusive():  # a backward is a use of its callable: not concurrent with others
+    with owner.exclusive():  # a backward is a use of its callable: not concurrent with others
       if self.consumed:  # checked under the lock: two threads cannot both run it
         raise RuntimeError(
             f"this pullback of {owner.name} was already called: a pullback replays its "
@@ -527,8 +580,8 @@ class Pullback:
       grads, self._wgrad = backward(cotangents)
       self._state, self._backward = "done", None
       if event.phase == "replay":
-        owner._count_replay(backward=True)
-        if (owner._config.grad_mask is not None and not FROZEN_GRADS_KNOWN.is_set()
+        owner.count_replay(backward=True)
+        if (owner.config.grad_mask is not None and not FROZEN_GRADS_KNOWN.is_set()
             and isinstance(backward, ExecutableBackward)):  # else masked_vjp's pullback said
           note_frozen_grads(owner.name, frozen_float_leaves(backward.entry))
       if post:
@@ -548,7 +601,7 @@ class Pullback:
     if self._wgrad is None:
       raise RuntimeError(f"{name} was built without delay_wgrad=True, so its pullback "
                          "already returned every gradient; there is no deferred wgrad.")
-    with self._owner._exclusive():
+    with self._owner.exclusive():
       grads = self._wgrad()
     # Consumed only once it ran: a failed wgrad (e.g. donated weights) raises the same again.
     self._wgrad, self._state = None, "wgrad_done"

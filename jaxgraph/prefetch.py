@@ -150,21 +150,20 @@ class PrefetchStep(graphed_lib.GraphedCallable):
                twin: explicit_lib.Twin):
     self._layer = layer
     self._twin_mesh = twin
-    super().__init__(Step(layer.fn, own), layer.index, layer._config,
+    super().__init__(Step(layer.fn, own), layer.index, layer.config,
                      hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
-                     offload=False)
-    self._set_name(f"prefetch({layer.name})")
+                     offload=False, name=f"prefetch({layer.name})")
 
-  def _twin(self, signature: sig_lib.Signature) -> explicit_lib.Twin:
+  def twin(self, signature: sig_lib.Signature) -> explicit_lib.Twin:
     return self._twin_mesh
 
-  def _differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
+  def differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
     """The params and upcoming buffers and `x` as the layer's `grad_mask` says of
     `(params, x, *consts)` (on the FlatTree each stands for); the consts none (the chain
     drops their gradients)."""
     params, upcoming, x, *consts = jax.tree.unflatten(
         signature.treedef, [sig_lib.abstract(s) for s in signature.leaves])
-    mask = self._config.grad_mask
+    mask = self.config.grad_mask
 
     def flags(tree: Any, n: int) -> list[bool]:
       layout = _sources.get(tree.layout, tree.layout)
@@ -179,22 +178,22 @@ class PrefetchStep(graphed_lib.GraphedCallable):
         signature, own[:n_params] + upcoming_flags + own[n_params:]
         + [False] * len(jax.tree.leaves(consts)))
 
-  def _stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
-    return self._layer._stream_inputs(stream)
+  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
+    return self._layer.stream_inputs(stream)
 
-  def _advance(self, counters: list[jax.Array]) -> None:
-    self._layer._advance(counters)
+  def advance(self, counters: list[jax.Array]) -> None:
+    self._layer.advance(counters)
 
-  def _count_replay(self, *, backward: bool) -> None:
-    super()._count_replay(backward=backward)
-    self._layer._count_replay(backward=backward)
+  def count_replay(self, *, backward: bool) -> None:
+    super().count_replay(backward=backward)
+    self._layer.count_replay(backward=backward)
 
 
 def steps_of(layer: graphed_lib.GraphedCallable) -> list[PrefetchStep]:
   """The prefetching steps `layer` has replayed as (its first-of-a-chain and later steps,
   per mesh), each with the executables it captured: what to read for a prefetching chain's
   HLO, where the layer's own executables do not run."""
-  return [step for key, step in layer._config.segments.items()
+  return [step for key, step in layer.config.segments.items()
           if isinstance(step, PrefetchStep) and step._layer is layer]
 
 
@@ -202,13 +201,13 @@ def eligible(layer: graphed_lib.GraphedCallable, params: Any) -> bool:
   """Whether a layer can join a prefetching chain: its params one FlatTree whose split
   buffers are gathered over a mesh axis of several devices (`jg.fsdp.shard`), and nothing
   that needs it to run alone: no replay-time hook, no delayed wgrad, no offload."""
-  hooks = layer._hooks["replay"]
+  hooks = layer.phase_hooks["replay"]
   layout = getattr(params, "layout", None)
   return (flat_lib.is_flat(params) and layout.gather is not None
           and any(layout.gathered(k) for k in range(len(layout.buffers)))
           and not any(getattr(hooks, kind) for kind in hooks_lib.HOOK_KINDS)
-          and not layer._config.delay_wgrad and not layer._offload.enabled
-          and not layer._config.inference_only)
+          and not layer.config.delay_wgrad and not layer.offloader.enabled
+          and not layer.config.inference_only)
 
 
 def default(params: Any) -> bool:
@@ -227,7 +226,7 @@ def runs(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any],
   for i in range(lo, hi):
     ok = eligible(layers[i], params[i])
     if (ok and found and found[-1][2] and found[-1][1] == i
-        and layers[i]._config is layers[found[-1][0]]._config
+        and layers[i].config is layers[found[-1][0]].config
         and params[i].layout.gather.mesh == params[found[-1][0]].layout.gather.mesh):
       found[-1] = (found[-1][0], i + 1, True)
     else:
@@ -239,7 +238,7 @@ def _steps(layers: Sequence[graphed_lib.GraphedCallable], twin: explicit_lib.Twi
            ) -> list[PrefetchStep]:
   """The PrefetchSteps of a chain's layers (made once per layer and position, kept with
   their `make_graphed` call; the layer's `stats` count their captures)."""
-  config = layers[0]._config
+  config = layers[0].config
   steps = []
   with config.lock:
     for i, layer in enumerate(layers):
@@ -325,7 +324,7 @@ def _capture_all(steps: Sequence[PrefetchStep], params: Sequence[Any], args: tup
   consts = args[3:]
   for i, step in enumerate(steps):
     leaves, treedef = jax.tree.flatten(args)
-    entry = step._entry(sig_lib.signature_of(leaves, treedef), sampled=True)
+    entry = step.executables.get(sig_lib.signature_of(leaves, treedef), sampled=True)
     if entry is None:
       return False
     kind = "stream" if entry.layout.n_keys else "explicit"
@@ -353,7 +352,7 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
   leaves, treedef = jax.tree.flatten(args)
   if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
     return None
-  config = layers[0]._config
+  config = layers[0].config
   key = (tuple(steps), sig_lib.signature_of(leaves, treedef))
   ready = config.prefetch.get(key)
   if ready is None:

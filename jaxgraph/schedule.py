@@ -29,7 +29,7 @@ from jaxgraph import _pullback as pullback_lib
 
 __all__ = [
     "Pipeline",
-    "Plan",
+    "ParsedOrder",
     "Step",
     "StepResult",
     "interleaved_1f1b",
@@ -53,7 +53,7 @@ class Step(NamedTuple):
   microbatch: int
 
 
-class Plan(NamedTuple):
+class ParsedOrder(NamedTuple):
   """A validated order (`parse_order`).
 
   Attributes:
@@ -70,7 +70,7 @@ class Plan(NamedTuple):
   has_wgrad: bool
 
 
-def _entry(value: Any, position: int) -> Step:
+def _parse_entry(value: Any, position: int) -> Step:
   """The kind and 0-based chunk of `order[position]` (microbatch filled in later)."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise TypeError(f"order[{position}] is {value!r}; an order holds chunk ids: c (forward), "
@@ -98,7 +98,7 @@ def _entry(value: Any, position: int) -> Step:
   return Step("wgrad", int(chunk) - 1, -1)
 
 
-def parse_order(order: Sequence[float], *, delay_wgrad: bool = False) -> Plan:
+def parse_order(order: Sequence[float], *, delay_wgrad: bool = False) -> ParsedOrder:
   """Validates a Transformer Engine `_order` and assigns microbatches to its entries.
 
   The k-th `+c` is microbatch k of chunk c; backwards and wgrads of a chunk run in the order
@@ -110,7 +110,7 @@ def parse_order(order: Sequence[float], *, delay_wgrad: bool = False) -> Plan:
       wgrad entries need it.
 
   Returns:
-    The `Plan`.
+    The `ParsedOrder`.
 
   Raises:
     TypeError: an entry is not a number, or a forward entry is not an int.
@@ -126,7 +126,7 @@ def parse_order(order: Sequence[float], *, delay_wgrad: bool = False) -> Plan:
   if not order:
     raise ValueError("order is empty; give at least one forward and one backward per chunk, "
                      "e.g. order=[1, -1].")
-  entries = [_entry(value, i) for i, value in enumerate(order)]
+  entries = [_parse_entry(value, i) for i, value in enumerate(order)]
   wgrads = [i for i, e in enumerate(entries) if e.kind == "wgrad"]
   if wgrads and not delay_wgrad:
     raise ValueError(
@@ -177,7 +177,7 @@ def parse_order(order: Sequence[float], *, delay_wgrad: bool = False) -> Plan:
       raise ValueError(f"{where} runs before its backward (dgrad). Move it after the backward.")
     done[entry.kind][c] += 1
     steps.append(Step(entry.kind, c, m))
-  return Plan(tuple(steps), num_chunks, num_microbatches, bool(wgrads))
+  return ParsedOrder(tuple(steps), num_chunks, num_microbatches, bool(wgrads))
 
 
 def layers_per_chunk(num_layers_per_chunk: int | Sequence[int] | None, num_chunks: int,
@@ -232,11 +232,11 @@ def chunk_ranges(sizes: Sequence[int]) -> list[range]:
   return ranges
 
 
-def layer_steps(plan: Plan, sizes: Sequence[int]) -> Iterator[tuple[StepKind, int, int]]:
+def layer_steps(parsed: ParsedOrder, sizes: Sequence[int]) -> Iterator[tuple[StepKind, int, int]]:
   """`(kind, callable index, microbatch)` per layer: forwards in layer order, backwards and
   wgrads reversed."""
   ranges = chunk_ranges(sizes)
-  for step in plan.steps:
+  for step in parsed.steps:
     layers = ranges[step.chunk] if step.kind == "forward" else reversed(ranges[step.chunk])
     for index in layers:
       yield step.kind, index, step.microbatch
@@ -361,10 +361,10 @@ def merge_ranks(rank_orders: Sequence[Sequence[float]]) -> list[float]:
     ValueError: the rank orders deadlock (an entry waits forever).
   """
   ranks = len(rank_orders)
-  plans = [parse_order(list(order), delay_wgrad=True) for order in rank_orders]
-  queues = [collections.deque(plan.steps) for plan in plans]
+  parsed_orders = [parse_order(list(order), delay_wgrad=True) for order in rank_orders]
+  queues = [collections.deque(parsed.steps) for parsed in parsed_orders]
   finished: set[tuple[StepKind, int, int]] = set()
-  last = max(plan.num_chunks for plan in plans) * ranks - 1
+  last = max(parsed.num_chunks for parsed in parsed_orders) * ranks - 1
 
   def ready(step: Step) -> bool:
     g, m = step.chunk, step.microbatch
@@ -420,10 +420,10 @@ class StepResult:
 
 def _vjp(layer: graphed_lib.GraphedCallable, args: tuple[Any, ...], microbatch: int) -> Any:
   """`layer.vjp(*args)`, with hooks told the microbatch."""
-  leaves, treedef = layer._flatten(args, None, {})
-  with layer._exclusive():
-    return layer._forward(args, leaves, treedef, None, phase="replay",
-                          iteration=layer._counts.replays, microbatch=microbatch,
+  leaves, treedef = layer.flatten(args, None, {})
+  with layer.exclusive():
+    return layer.forward(args, leaves, treedef, None, phase="replay",
+                          iteration=layer.counts.replays, microbatch=microbatch,
                           with_pullback=True)
 
 
@@ -466,14 +466,14 @@ class Pipeline:
       if not isinstance(layer, graphed_lib.GraphedCallable):
         raise TypeError(f"Pipeline chunks hold GraphedCallables (from make_graphed), got "
                         f"{type(layer).__name__}.")
-    delay = {layer._config.delay_wgrad for layer in layers}
+    delay = {layer.config.delay_wgrad for layer in layers}
     if len(delay) > 1:
       raise ValueError("some layers were built with delay_wgrad=True and some without; build "
                        "every layer of a pipeline the same way.")
     self.delay_wgrad = delay.pop()
-    self.plan = parse_order(order, delay_wgrad=self.delay_wgrad)
-    if self.plan.num_chunks != len(self.chunks):
-      raise ValueError(f"the order has {self.plan.num_chunks} chunks but Pipeline got "
+    self.parsed = parse_order(order, delay_wgrad=self.delay_wgrad)
+    if self.parsed.num_chunks != len(self.chunks):
+      raise ValueError(f"the order has {self.parsed.num_chunks} chunks but Pipeline got "
                        f"{len(self.chunks)}; chunk c of the order is chunks[c - 1].")
     if devices is not None and len(devices) != len(self.chunks):
       raise ValueError(f"Pipeline got {len(devices)} devices for {len(self.chunks)} chunks; "
@@ -497,8 +497,8 @@ class Pipeline:
     Returns:
       The `StepResult`.
     """
-    plan, chunks = self.plan, self.chunks
-    count = plan.num_microbatches
+    parsed, chunks = self.parsed, self.chunks
+    count = parsed.num_microbatches
     if len(inputs) != count or len(targets) != count:
       raise ValueError(f"the order runs {count} microbatches but Pipeline got "
                        f"{len(inputs)} inputs and {len(targets)} targets.")
@@ -516,7 +516,7 @@ class Pipeline:
     waiting: dict[tuple[int, int], list[graphed_lib.Pullback]] = {}
     grads: list[list[Any]] = [[None] * len(chunk) for chunk in chunks]
     result = StepResult([None] * count, [None] * count, grads, [None] * count)
-    for kind, c, m in plan.steps:
+    for kind, c, m in parsed.steps:
       if kind == "forward":
         x = self._place(inputs[m] if c == 0 else acts.pop((c - 1, m)), c)
         chunk_pullbacks = []
@@ -541,9 +541,9 @@ class Pipeline:
           g_params, ct = chunk_pullbacks[l](ct)
           if not self.delay_wgrad:
             grads[c][l] = _add(grads[c][l], g_params)
-          elif not plan.has_wgrad:
+          elif not parsed.has_wgrad:
             grads[c][l] = _add(grads[c][l], chunk_pullbacks[l].wgrad()[0])
-        if plan.has_wgrad:
+        if parsed.has_wgrad:
           waiting[c, m] = chunk_pullbacks
         if c == 0:
           result.input_grads[m] = ct

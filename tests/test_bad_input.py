@@ -57,8 +57,8 @@ def bitwise(a: Any, b: Any) -> bool:
 
 
 def snapshot(g: jg.GraphedCallable) -> tuple[Any, ...]:
-  counter = g.rng_counter if g._config.rng else None
-  return (g.stats, tuple(g._entries), tuple(g._config.cache), g._fallback, counter,
+  counter = g.rng_counter if g.config.rng else None
+  return (g.stats, tuple(g.executables.entries), tuple(g.config.cache), g.executables.fallback, counter,
           jg.is_capturing())
 
 
@@ -150,7 +150,7 @@ def test_python_scalar_is_a_new_weakly_typed_signature():
   y = g(x, 2.0)                            # a Python float is weakly typed: a new signature
   assert g.stats.captures == 2
   assert bitwise(y, jax.jit(scale)(x, 2.0))
-  assert [s.leaves[1].weak_type for s in g._entries] == [False, True]
+  assert [s.leaves[1].weak_type for s in g.executables.entries] == [False, True]
   g(x, 3.0)                                # same weak signature: replayed, not recaptured
   g(x, jnp.float32(3.0))
   assert g.stats.captures == 2 and g.stats.replays == 3

@@ -35,7 +35,7 @@ def _params(seed):
 
 
 def _layout(graphed):
-  (entry,) = graphed._entries.values()
+  (entry,) = graphed.executables.entries.values()
   return entry.layout
 
 
@@ -278,6 +278,6 @@ def test_compiler_options_reach_every_executable_of_the_callables(tmp_path):
   before = dumped()
   np.testing.assert_array_equal(plain(p, x), g(p, x))
   assert dumped() == before
-  (entry,), (plain_entry,) = g._entries.values(), plain._entries.values()
+  (entry,), (plain_entry,) = g.executables.entries.values(), plain.executables.entries.values()
   assert entry is not plain_entry and plain_entry.compiler_options == ()
   assert entry.compiler_options == (("xla_dump_to", str(tmp_path)),)

@@ -101,12 +101,12 @@ def test_fault_in_function_capturing_a_new_signature(exc, call):
   with pytest.raises(_caught(exc)):
     getattr(g, "__call__" if call == "call" else "vjp")(P, x3)
   assert snapshot(g) == before
-  assert len(g._entries) == 1 and len(g._config.cache) == 1
+  assert len(g.executables.entries) == 1 and len(g.config.cache) == 1
   assert_good_call(g)
   # The signature that failed is captured cleanly when tried again.
   y = g(P, x3)
   assert bitwise(y, jax.jit(layer)(P, x3))
-  assert g.stats.captures == 2 and len(g._entries) == 2 and len(g._config.cache) == 2
+  assert g.stats.captures == 2 and len(g.executables.entries) == 2 and len(g.config.cache) == 2
 
 
 @pytest.mark.parametrize("exc", FAULTS, ids=lambda e: e.__name__)
@@ -157,7 +157,7 @@ def test_fault_compiling_the_inference_forward(monkeypatch, exc):
   with pytest.raises(_caught(exc)):
     g(P, X)
   assert snapshot(g) == before
-  assert ("explicit", False) not in g._entries[next(iter(g._entries))].forward
+  assert ("explicit", False) not in g.executables.entries[next(iter(g.executables.entries))].forward
   assert_good_call(g)
   assert g.stats.compiles == before[0].compiles + 1
 

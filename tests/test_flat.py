@@ -165,7 +165,7 @@ def test_slices_are_recomputed_not_kept_as_residuals(packing):
                                num_warmup_iters=0)
   flat_layer = jg.make_graphed(mixed_dropout_mlp, sample_args=(flat.ravel(params), x),
                                rng=True, num_warmup_iters=0)
-  (tree_entry,), (flat_entry,) = tree_layer._entries.values(), flat_layer._entries.values()
+  (tree_entry,), (flat_entry,) = tree_layer.executables.entries.values(), flat_layer.executables.entries.values()
   tree_layout, flat_layout = tree_entry.layout, flat_entry.layout
   # The backward reads the weights as slices of the flat inputs it already receives...
   assert {kind for kind, _ in flat_layout.sources} >= {"slice", "in"}
@@ -345,7 +345,7 @@ def test_fsdp_flat_buffers_train_like_the_pytree_fsdp_path_bitwise():
     assert trees_equal(jax.device_get(p.unravel()), jax.device_get(q))
     assert not np.any(np.asarray(p.buffers[0])[_padding(p.layout, 0)])  # stays zero
   assert [g.stats.captures for g in layers] == [1, 0]
-  (entry,) = layers[0]._entries.values()
+  (entry,) = layers[0].executables.entries.values()
   forward = entry.forward["explicit", True].as_text()
   backward = entry.backward["full"][0].as_text()
   assert _count(forward, "all-gather") == 2   # one per buffer, not one per weight
@@ -368,7 +368,7 @@ def test_fsdp_flat_mixed_dtypes_gather_one_buffer_per_dtype():
       ("float32", 4227, 4232), ("bfloat16", 4096, 4096)]
   layer = jg.make_graphed(lambda p, x: jax.lax.with_sharding_constraint(fsdp_mixed(p, x), batch),
                           sample_args=(params, x), num_warmup_iters=0)
-  (entry,) = layer._entries.values()
+  (entry,) = layer.executables.entries.values()
   assert _count(entry.forward["explicit", True].as_text(), "all-gather") == 2
   assert _count(entry.backward["full"][0].as_text(), "all-gather") == 2
   y, pullback = layer.vjp(params, x)

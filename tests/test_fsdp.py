@@ -156,7 +156,7 @@ def test_identical_fsdp_layers_compile_once(mesh):
 
 @pytest.mark.devices(8)
 def test_layer_hlo_gathers_weights_and_reduces_grads(graphed_layer):
-  (entry,) = graphed_layer._entries.values()
+  (entry,) = graphed_layer.executables.entries.values()
   forward = entry.forward["explicit", True].as_text()
   backward = entry.backward["full"][0].as_text()
   assert _count(forward, "all-gather") == 2                   # w1 and w2
@@ -187,7 +187,7 @@ def test_delayed_wgrad_keeps_the_weights_sharding(mesh, one_layer, graphed_layer
   params, x = one_layer
   split = jg.make_graphed(fsdp_worker.fsdp_block(mesh), sample_args=one_layer,
                           num_warmup_iters=0, delay_wgrad=True)
-  (entry,) = split._entries.values()
+  (entry,) = split.executables.entries.values()
   # The dgrad gathers the weights for the input gradients and keeps the hidden cotangent for
   # the wgrad, which then reads no weight: it gathers nothing.
   assert _count(entry.backward["dgrad"][0].as_text(), "all-gather") >= 1
@@ -215,7 +215,7 @@ def test_residuals_hold_no_gathered_weights(mesh, one_layer, graphed_layer):
   holding = jg.make_graphed(no_policy, sample_args=one_layer, num_warmup_iters=0)
   weight_shapes = {params["w1"].shape, params["w2"].shape}
   gathered_bytes = sum(params[k].nbytes for k in ("w1", "w2"))   # one device, unsharded
-  (lean,), (fat,) = graphed_layer._entries.values(), holding._entries.values()
+  (lean,), (fat,) = graphed_layer.executables.entries.values(), holding.executables.entries.values()
   lean_fwd, fat_fwd = lean.forward["explicit", True], fat.forward["explicit", True]
   lean_bwd, fat_bwd = lean.backward["full"][0], fat.backward["full"][0]
   gathered = lambda e: [o for o in e.forward["explicit", True].out_info[e.layout.n_out:]

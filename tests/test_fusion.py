@@ -37,7 +37,7 @@ def test_fused_training_matches_jit_vjp_of_the_chain_bitwise(dtype):
   params, x = _params(depth, dtype), _x(dtype)
   layers = jg.make_graphed([dropout_mlp] * depth, sample_args=[(p, x) for p in params],
                            rng=jax.random.key(7))
-  chain = fusion.Chain((dropout_mlp,) * depth)
+  chain = fusion.Composed((dropout_mlp,) * depth)
   ref_params = params
   for step in range(3):
     keys = tuple(rng_lib.stream_key(i, step, layer.rng_base_key)
@@ -93,7 +93,7 @@ def test_fused_equals_per_layer_bitwise_and_keeps_what_the_layers_keep(policy):
     y_plain, pullback_plain = jg.sequential_vjp(plain_layers, params, x)
     assert trees_equal((y, *pullback(y)), (y_plain, *pullback_plain(y_plain)))
   assert sum(layer.stats.compiles for layer in fused_layers) - compiles == 2  # one pair
-  [entry] = fusion.segment(fused_layers)._entries.values()
+  [entry] = fusion.segment(fused_layers).executables.entries.values()
   per_layer = plain_layers[0].stats.residual_bytes
   assert entry.residual_bytes == depth * per_layer + (depth - 1) * x.nbytes
 
@@ -104,7 +104,7 @@ def test_explicit_keys_are_fused_too():
   keys = list(jax.random.split(jax.random.key(3), 3))
   y, pullback = jg.sequential_vjp(layers, params, x, keys=keys, fuse=True)
   grads, g_x = pullback(jnp.ones_like(y))
-  y_ref, (grads_ref,), g_x_ref = reference_stack([fusion.Chain((dropout_mlp,) * 3)],
+  y_ref, (grads_ref,), g_x_ref = reference_stack([fusion.Composed((dropout_mlp,) * 3)],
                                                  [tuple(params)], x, jnp.ones_like(y),
                                                  keys=[tuple(keys)])
   assert trees_equal((y, tuple(grads), g_x), (y_ref, grads_ref, g_x_ref))
@@ -137,7 +137,7 @@ def test_replay_hooks_split_runs_and_identical_runs_share_one_capture():
   params, x = _params(5), _x()
   layers = jg.make_graphed([mlp] * 5, hooks, sample_args=[(p, x) for p in params],
                            num_warmup_iters=0)
-  assert fusion.plan(layers) == [(0, 2), (2, 3), (3, 5)]
+  assert fusion.runs(layers) == [(0, 2), (2, 3), (3, 5)]
   seen.clear()  # replay hooks fire at capture too
   y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
   grads, g_x = pullback(jnp.ones_like(y))
@@ -156,13 +156,13 @@ def test_runs_break_at_other_settings():
                            delay_wgrad=True)
   third = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[4:]],
                           offload_residuals=[True, False])
-  assert fusion.plan(first + second + third) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+  assert fusion.runs(first + second + third) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
   # A layer used twice draws two keys: it never joins a run it is already in.
-  assert fusion.plan(first + first) == [(0, 2), (2, 4)]
+  assert fusion.runs(first + first) == [(0, 2), (2, 4)]
   y, pullback = jg.sequential_vjp(first + first, params[:4], x, fuse=True)
   grads, _ = pullback(jnp.ones_like(y))
   assert len(grads) == 4 and all(g is not None for g in grads)
-  assert len(first[0]._config.segments) == 1
+  assert len(first[0].config.segments) == 1
 
 
 def test_traced_call_runs_the_functions():
@@ -185,12 +185,12 @@ def test_beyond_max_captures_runs_unfused():
   y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
   pullback(jnp.ones_like(y))
   segment = fusion.segment(layers)
-  assert len(segment._entries) == 1
+  assert len(segment.executables.entries) == 1
   x16 = jnp.ones((2 * T, D))
   with pytest.warns(UserWarning, match="max_captures"):
     y, pullback = jg.sequential_vjp(layers, params, x16, fuse=True)
   grads, _ = pullback(jnp.ones_like(y))
-  assert len(segment._entries) == 1 and layers[0].stats.fallbacks == 1
+  assert len(segment.executables.entries) == 1 and layers[0].stats.fallbacks == 1
   y_ref, grads_ref, _ = reference_stack([mlp] * 2, params, x16, jnp.ones_like(y))
   np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
 
@@ -204,7 +204,7 @@ def test_reset_drops_the_fused_executables():
   pullback(jnp.ones_like(y))
   before = calls()
   layers[1].reset()
-  assert not layers[0]._config.segments
+  assert not layers[0].config.segments
   y, pullback = jg.sequential_vjp(layers, params, x, fuse=True)
   pullback(jnp.ones_like(y))
   assert calls() - before == 2  # the chain was traced again
@@ -225,7 +225,7 @@ def test_fused_pullback_is_one_shot_and_keys_are_checked():
 def test_a_busy_member_layer_blocks_its_fused_run():
   params, x = _params(2), _x()
   layers = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params])
-  with layers[1]._exclusive():
+  with layers[1].exclusive():
     with pytest.raises(RuntimeError, match=r"mlp\[1\] is already running"):
       jg.sequential_vjp(layers, params, x, fuse=True)
     assert not layers[0]._busy.locked()  # the locks taken before the busy one were released
@@ -242,7 +242,7 @@ def test_fused_consts_train_like_jit_vjp_of_the_chain_bitwise():
   layers = jg.make_graphed([block] * depth, sample_args=[(p, x, *consts) for p in params],
                            rng=jax.random.key(7), num_warmup_iters=1)
   compiles = sum(layer.stats.compiles for layer in layers)
-  chain = fusion.Chain((masked_block,) * depth)
+  chain = fusion.Composed((masked_block,) * depth)
   ref_params = params
   for step in range(3):
     keys = tuple(rng_lib.stream_key(i, step, layer.rng_base_key)
@@ -271,22 +271,22 @@ def test_fused_tuple_carry():
   ct = (h / h.size, jnp.float32(1))
   grads, g_carry = pullback(ct)
   ref_out, (grads_ref,), g_carry_ref = reference_stack(
-      [fusion.Chain((carry_block,) * depth)], [tuple(params)], carry, ct, consts=(positions,))
+      [fusion.Composed((carry_block,) * depth)], [tuple(params)], carry, ct, consts=(positions,))
   assert trees_equal(((h, aux), tuple(grads), g_carry), (ref_out, grads_ref, g_carry_ref))
-  assert len(layers[0]._config.segments) == 1  # it ran fused
+  assert len(layers[0].config.segments) == 1  # it ran fused
 
 
 def test_fuse_k_replays_segments_of_at_most_k_layers_that_share_one_compile():
   params, x = _params(7), _x()
   layers = jg.make_graphed([mlp] * 7, sample_args=[(p, x) for p in params],
                            num_warmup_iters=0)
-  assert fusion.plan(layers, 3) == [(0, 3), (3, 6), (6, 7)]
-  assert fusion.plan(layers, 1) == [(i, i + 1) for i in range(7)]
+  assert fusion.runs(layers, 3) == [(0, 3), (3, 6), (6, 7)]
+  assert fusion.runs(layers, 1) == [(i, i + 1) for i in range(7)]
   ct = jnp.ones_like(x)
   y, pullback = jg.sequential_vjp(layers, params, x, fuse=3)
   grads, g_x = pullback(ct)
   # two segments of 3 share one capture (the same chain); the 7th layer replays alone
-  assert len(layers[0]._config.segments) == 2
+  assert len(layers[0].config.segments) == 2
   assert layers[0].stats.captures == 2 and layers[3].stats.cache_hits == 2
   y_one, pullback_one = jg.sequential_vjp(layers, params, x)  # the layers one by one
   grads_one, g_x_one = pullback_one(ct)

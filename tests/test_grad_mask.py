@@ -23,7 +23,7 @@ import jaxgraph as jg
 from jaxgraph import _capture as capture_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import _pullback as pullback_lib
-from jaxgraph import rng as rng_lib
+from jaxgraph import _constants as constants_lib
 from jaxgraph import schedule
 from models import assert_equal_or_close, trees_equal
 
@@ -82,7 +82,7 @@ def sgd(p: Any, g: Any) -> Any:
 def _dot_generals(jaxpr: Any) -> int:
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   return sum((eqn.primitive.name == "dot_general")
-             + sum(_dot_generals(sub) for sub in rng_lib._subjaxprs(eqn))
+             + sum(_dot_generals(sub) for sub in constants_lib.subjaxprs(eqn))
              for eqn in jaxpr.eqns)
 
 
@@ -90,7 +90,7 @@ def dots(layer: jg.GraphedCallable, kind: str = "full") -> int:
   """The matmuls of the backward executable `layer` replays, as handed to XLA (its jaxpr,
   traced again from the inputs the executable was compiled for): backend-independent,
   where the GPU's compiled HLO calls cuBLAS instead of `dot`."""
-  (entry,) = layer._entries.values()
+  (entry,) = layer.executables.entries.values()
   compiled, select = entry.backward["full" if kind == "full" else "dgrad"]
   specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
            for a in compiled.in_avals[0]]
@@ -158,7 +158,7 @@ def test_masked_backward_has_no_weight_gradient_matmul():
   assert dots(full) == 12
   assert dots(masked) == 10
   if jax.default_backend() == "cpu":  # the compiled HLO too (a GPU's calls cuBLAS instead)
-    hlo = [next(iter(g._entries.values())).backward["full"][0].as_text() for g in (full, masked)]
+    hlo = [next(iter(g.executables.entries.values())).backward["full"][0].as_text() for g in (full, masked)]
     assert [text.count(" dot(") for text in hlo] == [12, 10]
   assert masked.stats.residual_bytes <= full.stats.residual_bytes
   # Only x: the params' 8 matmuls of the full backward are gone (dx through w and through
@@ -256,7 +256,7 @@ def test_sequential_vjp_with_a_mask_matches_the_full_backward(fuse):
     close([trainable(g) for g in grads], [trainable(g) for g in grads_ref])
     assert all(is_float0(g["up"]["w"], (D, 2 * D)) for g in grads)
   if fuse:  # one fused backward for the stack, without the frozen weights' matmuls
-    (segment,) = masked[0]._config.segments.values()
+    (segment,) = masked[0].config.segments.values()
     assert dots(segment) == 3 * 10
 
 

@@ -87,7 +87,7 @@ def test_residuals_do_not_reemit_inputs():
   params = init_mlp(jax.random.key(0), D, H)
   x = jnp.ones((T, D))
   g = jg.make_graphed(mlp, sample_args=(params, x), num_warmup_iters=0)
-  (entry,) = g._entries.values()
+  (entry,) = g.executables.entries.values()
   layout = entry.layout
   kinds = {kind for kind, _ in layout.sources}
   assert "in" in kinds  # the weights and x are read from the inputs...
@@ -280,7 +280,7 @@ def test_reset_drops_executables_and_recaptures():
   x = jnp.ones((T, D))
   g = jg.make_graphed(layer, sample_args=(params, x), num_warmup_iters=0)
   g.reset()
-  assert g._entries == {} and g._config.cache == {}
+  assert g.executables.entries == {} and g.config.cache == {}
   y = g(params, x)
   assert traces() == 2 and g.stats.captures == 2
   assert trees_equal(y, jax.jit(mlp)(params, x))
@@ -334,7 +334,7 @@ def test_inference_only_compiles_one_forward_at_capture_and_never_again():
   x = jnp.ones((T, D))
   g = jg.make_graphed(layer, sample_args=(params, x), inference_only=True)
   assert (traces(), g.stats.compiles) == (1, 1)  # warmup replayed the one executable
-  (entry,) = g._entries.values()
+  (entry,) = g.executables.entries.values()
   assert set(entry.forward) == {("explicit", False)} and entry.backward == {}
   for step in range(20):
     x = jax.random.normal(jax.random.key(step), (T, D))
@@ -343,7 +343,7 @@ def test_inference_only_compiles_one_forward_at_capture_and_never_again():
   longer = jnp.ones((2 * T, D))  # a longer prompt: a new signature, forward-only as well
   assert trees_equal(g(params, longer), jax.jit(mlp)(params, longer))
   assert (g.stats.captures, g.stats.compiles) == (2, 2)
-  assert all(e.backward == {} for e in g._entries.values())
+  assert all(e.backward == {} for e in g.executables.entries.values())
 
 
 def test_inference_only_rng_stream_and_explicit_key():

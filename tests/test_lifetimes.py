@@ -55,7 +55,7 @@ def graphed():
 
 def test_layer_backward_reads_inputs_not_outputs(graphed):
   """The cases below delete what the backward needs: both inputs, no output."""
-  layout = next(iter(graphed._entries.values())).layout
+  layout = next(iter(graphed.executables.entries.values())).layout
   assert len(layout.packing.shapes) == 2  # two residuals (one buffer where packing is on)
   # Leaves: b, w1, w2, x. The backward reads w1, w2 and x (b's grad needs none of them).
   assert set(layout.needed_inputs) == {1, 2, 3}
@@ -245,7 +245,7 @@ def test_held_pullbacks_are_released_when_dropped():
   """Holding pullbacks keeps exactly their kept residuals alive; dropping them frees them."""
   p = _params()
   g = jg.make_graphed(layer, sample_args=(p, X), num_warmup_iters=0)
-  n_kept = next(iter(g._entries.values())).layout.n_kept
+  n_kept = next(iter(g.executables.entries.values())).layout.n_kept
   held = [g.vjp(p, X) for _ in range(10)]
   _settle()
   live = len(jax.live_arrays())

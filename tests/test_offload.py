@@ -34,7 +34,7 @@ def _stack(dtype=jnp.float32, depth=4, fns=None):
 
 
 def _entry(layer: jg.GraphedCallable):
-  (entry,) = layer._entries.values()
+  (entry,) = layer.executables.entries.values()
   return entry
 
 

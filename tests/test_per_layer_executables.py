@@ -76,7 +76,7 @@ def _stack(per_layer_executables, **kwargs):
 
 def _replayed(layers):
   """The executables each layer has replayed, one list per layer."""
-  return [list(layer._replayed.values()) for layer in layers]
+  return [list(layer.executables.replayed.values()) for layer in layers]
 
 
 @pytest.mark.parametrize("delay_wgrad", [False, True])
@@ -107,7 +107,7 @@ def test_each_layer_replays_its_own_copy_of_one_compile_bitwise(delay_wgrad):
   # captured them, loaded copies by the others.
   replayed = _replayed(layers)
   assert len({id(exe) for exes in replayed for exe in exes}) == sum(map(len, replayed))
-  (entry,) = layers[0]._entries.values()
+  (entry,) = layers[0].executables.entries.values()
   originals = {id(exe) for exe, _ in entry.backward.values()} | {
       id(exe) for exe in entry.forward.values()}
   assert {id(exe) for exe in replayed[0]} <= originals

@@ -121,10 +121,10 @@ def test_prefetch_is_the_unprefetched_math(mesh):
     for k in ref:
       np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=2e-6)
   # Three captures for the chain (its first, middle and last step), none on replay.
-  steps = [s for key, s in layers[0]._config.segments.items()
+  steps = [s for key, s in layers[0].config.segments.items()
            if isinstance(s, prefetch_lib.PrefetchStep)]
-  assert [len(s._entries) for s in steps] == [1] * LAYERS
-  assert sum(s._counts.captures for s in steps) == 3
+  assert [len(s.executables.entries) for s in steps] == [1] * LAYERS
+  assert sum(s.counts.captures for s in steps) == 3
   assert [layer.stats.replays for layer in layers] == [4] * LAYERS  # 2 steps of each path
 
 
@@ -150,9 +150,9 @@ def test_prefetch_hands_each_collective_to_the_next_executable(mesh):
   pullback(jnp.ones_like(y))
   (length,) = {spec.length for spec in flat[0].layout.buffers}
   found = {}
-  for key, step in layers[0]._config.segments.items():
-    if isinstance(step, prefetch_lib.PrefetchStep) and step._entries:
-      (entry,) = step._entries.values()
+  for key, step in layers[0].config.segments.items():
+    if isinstance(step, prefetch_lib.PrefetchStep) and step.executables.entries:
+      (entry,) = step.executables.entries.values()
       forward = entry.forward["explicit", True].as_text()
       backward = entry.backward["full"][0].as_text()
       own = step.fn.own
@@ -220,7 +220,7 @@ def test_prefetch_default_is_the_platform_gate(mesh, monkeypatch):
 
   def prefetch_steps():
     return sum(isinstance(s, prefetch_lib.PrefetchStep)
-               for s in layers[0]._config.segments.values())
+               for s in layers[0].config.segments.values())
 
   platform = mesh.devices.flat[0].platform
   monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({"none"}))

@@ -70,8 +70,8 @@ def test_grads_match_vjp_reference_with_the_same_keys(fn):
 def test_residual_mode_keeps_the_mask_remat_mode_keeps_the_key():
   residual, _, _ = _layers(depth=1)
   remat, _, _ = _layers(fn=remat_dropout_mlp, depth=1)
-  (res_entry,) = residual[0]._entries.values()
-  (remat_entry,) = remat[0]._entries.values()
+  (res_entry,) = residual[0].executables.entries.values()
+  (remat_entry,) = remat[0].executables.entries.values()
   key_input = res_entry.layout.n_args
   kept_dtypes = lambda e: [o.dtype for o in e.forward["stream", True].out_info[
       e.layout.n_out:e.layout.n_out + e.layout.n_kept]]

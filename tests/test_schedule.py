@@ -363,7 +363,7 @@ def test_zero_bubble_order_with_delay_wgrad_bitwise():
   assert_trees_equal(result.outputs, outputs)
   assert_trees_equal(flat(result.grads), grads)
   # dgrad and wgrad are separate executables, compiled once for the three layers.
-  assert set(split_layers[0]._entries[next(iter(split_layers[0]._entries))].backward) == {
+  assert set(split_layers[0].executables.entries[next(iter(split_layers[0].executables.entries))].backward) == {
       "dgrad", "wgrad"}
   assert split_layers[0].stats.captures == 1 and split_layers[2].stats.compiles == 0
 

@@ -182,11 +182,11 @@ def test_split_of_other_layers_bitwise_equal_fused():
     ct = jnp.cos(y)
     _, g_x = pullback_split(ct)
     assert_trees_equal((y_split, pullback_split.wgrad()[0], g_x), (y, *pullback(ct)))
-    (entry,) = split._entries.values()
+    (entry,) = split.executables.entries.values()
     if fn is scanned:
       assert params["ws"].shape in [s.shape for s in entry.split.stash]
     if jax.default_backend() == "cpu":  # cost_analysis counts GEMMs on the CPU only
-      (fused_entry,) = fused._entries.values()
+      (fused_entry,) = fused.executables.entries.values()
       flops = {kind: compiled.cost_analysis()["flops"] for kind, (compiled, _) in
                [*entry.backward.items(), *fused_entry.backward.items()]}
       assert flops["dgrad"] + flops["wgrad"] <= 1.05 * flops["full"]
@@ -228,7 +228,7 @@ def backward_flops(name: str) -> dict[str, float]:
   """`cost_analysis()` FLOPs of the fused backward and of the dgrad and wgrad executables."""
   flops = {}
   for delay in (False, True):
-    (entry,) = graphed(name, delay)[0]._entries.values()
+    (entry,) = graphed(name, delay)[0].executables.entries.values()
     for kind, (compiled, _) in entry.backward.items():
       flops[kind] = compiled.cost_analysis()["flops"]
   return flops

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from llama.data import step_batches
 
 import jaxgraph as jg
-from jaxgraph import fusion
+from jaxgraph import _fusion as fusion
 
 GPT_VARIANTS = ("jaxgraph-recompute", "jaxgraph-fuse-recompute",
                 "jaxgraph-fuse-recompute+chainremat")
@@ -74,11 +74,11 @@ class _WholeChainRemat(fusion.FusedSegment):
 
   def __init__(self, layers: Sequence[jg.GraphedCallable]):
     super().__init__(layers)
-    self.fn = fusion.Chain(self.fn.fns, barriers=False)
+    self.fn = fusion.Composed(self.fn.fns, barriers=False)
 
   @property
-  def _remat_policy(self) -> Any:
-    return self._config.remat_policy
+  def remat_policy(self) -> Any:
+    return self.config.remat_policy
 
 
 DIAGNOSTICS = {"chainremat": _WholeChainRemat, "nobarrier": _NoBarriers}
@@ -167,7 +167,7 @@ def host_us(case: Case, samples: int = 7) -> dict[str, float]:
     out = pullback(ct)
     backward.append(time.perf_counter() - start)
     jax.block_until_ready(out)
-  calls = len(fusion.plan(case.blocks)) if case.fused else len(case.blocks)
+  calls = len(fusion.runs(case.blocks)) if case.fused else len(case.blocks)
   fwd, bwd = 1e6 * statistics.median(forward), 1e6 * statistics.median(backward)
   return dict(calls=calls, forward_us=fwd, backward_us=bwd, forward_us_per_call=fwd / calls,
               backward_us_per_call=bwd / calls)
@@ -207,11 +207,11 @@ def executables(case: Case) -> dict[str, Any]:
   """Buffers in and out of one forward and one backward call of the blocks, residual bytes
   of one step's blocks, and their HLO op counts per step (per-layer counts times depth)."""
   if case.fused:
-    [(lo, hi)] = fusion.plan(case.blocks)
+    [(lo, hi)] = fusion.runs(case.blocks)
     owner, times = fusion.segment(case.blocks[lo:hi]), 1
   else:
     owner, times = case.blocks[0], len(case.blocks)
-  entry = next(reversed(owner._entries.values()))
+  entry = next(reversed(owner.executables.entries.values()))
   forward = entry.forward.get(("stream", True)) or entry.forward[("explicit", True)]
   backward = entry.backward["full"][0]
   found: dict[str, Any] = dict(

@@ -101,7 +101,7 @@ def layer_executables(layers: list[Any], entry: Any) -> list[tuple[Any, Any]]:
   """(forward, backward) each layer replays: `entry`'s own, or with per-layer executables
   the layer's loaded copy of them (made in warmup)."""
   forward, backward = entry.forward[FORWARD], entry.backward["full"][0]
-  return [(graphed._local(entry, forward), graphed._local(entry, backward))
+  return [(graphed.executables.local(entry, forward), graphed.executables.local(entry, backward))
           for graphed in layers]
 
 
@@ -144,8 +144,8 @@ def replace_executables(layers: list[Any], entry: Any, params: Any, x: jax.Array
   grads = list(backward(*[inputs[i] for i in layout.needed_inputs],
                         *[values[i] for i in layout.needed_outputs], *values[layout.n_out:], ct))
   for graphed in layers:
-    graphed._replayed[forward] = lambda *_: list(values)
-    graphed._replayed[backward] = lambda *_: list(grads)
+    graphed.executables.replayed[forward] = lambda *_: list(values)
+    graphed.executables.replayed[backward] = lambda *_: list(grads)
 
 
 def per_call(step: Callable[[], jax.Array], calls: int, rounds: int, steps: int, *,
@@ -256,7 +256,7 @@ def main() -> None:
       _, g = pullback(g)
     return g
 
-  entry = next(iter(layers[0]._entries.values()))
+  entry = next(iter(layers[0].executables.entries.values()))
   bare = bare_step(layers, entry, stack, x, ct)
   copies = len({id(f) for f, _ in layer_executables(layers, entry)})
   calls, rounds = 2 * args.layers * args.steps, args.rounds // 2 or 1
@@ -276,7 +276,7 @@ def main() -> None:
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
             "devices": args.devices, "replicated": args.replicated,
             "processes": jax.process_count(), "process": jax.process_index(),
-            "per_layer_executables": layers[0]._config.per_layer_executables,
+            "per_layer_executables": layers[0].config.per_layer_executables,
             "per_layer_copies": copies, "compiler_options": dict(args.compiler_option),
             "us_per_call": best["jaxgraph"]["median"],
             "bare_us_per_call": best["bare"]["median"], "own_us_per_call": own["median"],

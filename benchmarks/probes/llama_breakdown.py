@@ -42,7 +42,7 @@ from benchmarks import harness, profiling
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
 import jaxgraph as jg  # noqa: E402
-from jaxgraph import capture as capture_lib  # noqa: E402
+from jaxgraph import _capture as capture_lib  # noqa: E402
 from common import Corpus  # noqa: E402
 from llama.data import make_corpus, step_batches  # noqa: E402
 from llama.layers import build_layers, split, tied_inputs  # noqa: E402

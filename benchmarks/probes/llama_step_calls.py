@@ -64,12 +64,12 @@ class Counter:
   def label(self, layers: list[Any]) -> None:
     """Names every executable the graphed layers (and their fused segments) replay."""
     def name(graphed: Any, kind: str) -> None:
-      for entry in graphed._entries.values():
+      for entry in graphed.executables.entries.values():
         for exe in entry.forward.values():
           self.labels[id(exe)] = f"{kind} forward"
         for exe, _ in entry.backward.values():
           self.labels[id(exe)] = f"{kind} backward"
-      for exe, local in graphed._replayed.items():
+      for exe, local in graphed.executables.replayed.items():
         self.labels[id(local)] = self.labels.get(id(exe), f"{kind} ?")
 
     graphed = [layer for layer in layers if isinstance(layer, jg.GraphedCallable)]
@@ -77,7 +77,7 @@ class Counter:
       if isinstance(layer, jg.GraphedCallable):
         name(layer, "embedding" if i == 0 else "head" if i == len(layers) - 1 else "block")
     for layer in graphed[:1]:
-      for segment in layer._config.segments.values():
+      for segment in layer.config.segments.values():
         name(segment, "fused blocks")
 
 

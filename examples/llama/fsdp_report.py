@@ -41,7 +41,7 @@ def collectives(compiled: Any) -> dict[str, int]:
 def layer_executables(layer: jg.GraphedCallable) -> tuple[Any, Any]:
   """The training forward and the backward `layer` replays (its one captured signature)."""
   # jaxgraph keeps its executables private; examples/fsdp_train.py reads them the same way.
-  (entry,) = layer._entries.values()
+  (entry,) = layer.executables.entries.values()
   forward = next(c for (_, residuals), c in entry.forward.items() if residuals)
   return forward, entry.backward["full"][0]
 
@@ -54,7 +54,7 @@ def named_executables(layers: Sequence[Layer]) -> Iterator[tuple[str, Any]]:
   the chain each replay their own)."""
   names: dict[int, str] = {}
   for layer in graphed(layers):
-    steps = [step for step in jg.prefetch.steps_of(layer) if step._entries]
+    steps = [step for step in jg.prefetch.steps_of(layer) if step.executables.entries]
     for owner in steps or [layer]:
       forward, backward = layer_executables(owner)
       name = names.setdefault(id(forward), owner.name)
