@@ -1,7 +1,8 @@
 """jaxgraph: per-layer ahead-of-time capture and replay for JAX, with host hooks.
 
 A port of the partial-capture semantics of Transformer Engine's and PyTorch's
-`make_graphed_callables`: see docs/index.md.
+`make_graphed_callables`: see docs/index.md. The public names are `__all__` here and in the
+public submodules it lists; modules named with a leading `_` are internal (docs/design.md).
 """
 
 import importlib
@@ -12,13 +13,14 @@ from jaxgraph import fsdp
 from jaxgraph import offload
 from jaxgraph import prefetch
 from jaxgraph import residuals
+from jaxgraph import rng
 from jaxgraph import schedule
 from jaxgraph._api import make_graphed
-from jaxgraph._constants import ConstantWeightWarning
 from jaxgraph._chain import sequential_vjp
-from jaxgraph._graphed import GraphedCallable, Pullback, Stats
+from jaxgraph._constants import ConstantWeightWarning
+from jaxgraph._graphed import GraphedCallable, Stats
 from jaxgraph._hooks import HookEvent, Hooks, is_capturing
-from jaxgraph._pullback import combine, partition
+from jaxgraph._pullback import Pullback, combine, partition
 
 __version__ = "0.1.0"
 
@@ -43,6 +45,7 @@ __all__ = [
     "partition",
     "prefetch",
     "residuals",
+    "rng",
     "schedule",
     "sequential_vjp",
 ]

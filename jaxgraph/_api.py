@@ -2,7 +2,7 @@
 
 `make_graphed` runs four steps in order: check every argument (`_checks`, before anything is
 traced or a hook fires), build one GraphedCallable per callable, capture (trace and compile
-each distinct signature once), warm up. Capture and warmup run under `hooks.capturing()`, so
+each distinct signature once), warm up. Capture and warmup run under `_hooks.capturing()`, so
 `is_capturing()` is True inside them and False again however they end.
 """
 
@@ -110,8 +110,8 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
           args = _fresh(args, donate_argnums)
         leaves, treedef = jax.tree.flatten(args)
         pending[i, m] = layer.forward(args, leaves, treedef, None, phase="warmup",
-                                       iteration=iteration, microbatch=m,
-                                       with_pullback=not inference_only, stream=stream)
+                                      iteration=iteration, microbatch=m,
+                                      with_pullback=not inference_only, stream=stream)
         results.append(pending[i, m][0])
       elif kind == "backward":
         out, pullback = pending[i, m] if parsed.has_wgrad else pending.pop((i, m))

@@ -123,7 +123,7 @@ class ExecutableCache:
             entry = capture_lib.capture_inference(
                 owner.fn, signature, n_keys=owner.n_keys, name=owner.name,
                 donated=pullback_lib.argument_leaves(signature.treedef,
-                                                    config.donate_argnums),
+                                                     config.donate_argnums),
                 warned_weights=config.warned_weights,
                 compiler_options=config.compiler_options)
           else:

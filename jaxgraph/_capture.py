@@ -149,7 +149,7 @@ class Executables:
   compile_seconds: float
   residual_bytes: int               # what one forward keeps for its backward (kept, packed)
   donated: tuple[int, ...] = ()     # argument leaves the outputs-only forwards donate
-  # traced on the Explicit twin of the arguments' mesh (`explicit.Twin`), or None
+  # traced on the Explicit twin of the arguments' mesh (`_explicit.Twin`), or None
   twin: explicit_lib.Twin | None = None
   # XLA options every executable of this entry is compiled with (also those compiled later)
   compiler_options: tuple[tuple[str, Any], ...] = ()
@@ -711,7 +711,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
     n_keys: how many keys `fn` takes as `key=` (0 without rng; see `trace_forward`). With
       keys the stream forward (what warmup and keyless replays run) is compiled now, the
       explicit-key forward on first use.
-    diff: the argument leaves that get gradients (`pullback.differentiated_leaves`).
+    diff: the argument leaves that get gradients (`_pullback.differentiated_leaves`).
     backward: which backward executables to build: ("full", leaves), which receives the
       residuals as donated buffers (device residuals only); or ("dgrad", leaves) and
       ("wgrad", leaves), cut from one backward by `split_backward`.
@@ -726,7 +726,7 @@ def capture(fn: Callable[..., Any], signature: sig_lib.Signature, *, n_keys: int
       (offload selects them by name: `make_graphed(..., offload_names=...)`).
     warn_constant_keys: warn of keys that are constants of `fn` (a fused chain does not:
       such a key is there at every signature, and its layer's own capture warned).
-    twin: trace on the Explicit twin of the arguments' mesh (`explicit.Twin`): every output
+    twin: trace on the Explicit twin of the arguments' mesh (`_explicit.Twin`): every output
       typed on the twin, reduced arguments with unreduced gradients.
     compiler_options: XLA options (name, value) every executable is compiled with.
   """

@@ -1,10 +1,9 @@
 """`sequential_vjp`: a stack of graphed layers chained forward, pulled back in reverse.
 
-The top of the replay path: each layer replays its own executable pair (`graphed.py`); with
-`fuse=True` each run of hook-free neighbours replays as one (`fusion.py`); with `prefetch`
+The top of the replay path: each layer replays its own executable pair (`_graphed.py`); with
+`fuse=True` each run of hook-free neighbours replays as one (`_fusion.py`); with `prefetch`
 each run of FSDP layers hands its collectives from executable to executable (`prefetch.py`).
-Imports run one way, chain -> prefetch, fusion -> graphed, so none of those imports this
-module.
+Imports run one way (docs/design.md): none of those imports this module.
 """
 
 from __future__ import annotations

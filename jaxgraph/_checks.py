@@ -28,7 +28,7 @@ from jaxgraph import schedule as schedule_lib
 ON_NEW_SIGNATURE = ("capture", "error")
 
 # The platforms where `per_layer_executables=None` means True. XLA:GPU's command buffers
-# re-record when one executable is called with other buffers (`capture.loaded_copy`); on
+# re-record when one executable is called with other buffers (`_capture.loaded_copy`); on
 # other backends a copy per layer gains nothing.
 PER_LAYER_PLATFORMS = frozenset({"gpu"})
 
@@ -379,8 +379,8 @@ class Layers:
 
 
 def check_layers(fns: Any, hooks: Any, capture_time_hooks: Any, sample_args: Any,
-                  order: Sequence[float] | None, num_layers_per_chunk: Any, *,
-                  delay_wgrad: bool, offload_residuals: Any) -> Layers:
+                 order: Sequence[float] | None, num_layers_per_chunk: Any, *,
+                 delay_wgrad: bool, offload_residuals: Any) -> Layers:
   """Step 1a: the callables and their per-callable arguments (sample_args in the shape the
   order asks for, offload flags, hooks), checked and one entry per callable."""
   fn_list, single = _as_callables(fns)
@@ -397,14 +397,14 @@ def check_layers(fns: Any, hooks: Any, capture_time_hooks: Any, sample_args: Any
     sizes = schedule_lib.layers_per_chunk(num_layers_per_chunk, parsed.num_chunks, count)
     flat, samples = _pipeline_args(sample_args, single, sizes, parsed.num_microbatches)
   return Layers(fn_list, single, parsed, tuple(sizes), samples, flat,
-                 offload=_per_callable_flags(offload_residuals, count, "offload_residuals"),
-                 hooks=hooks_lib.per_callable(hooks, count, "hooks"),
-                 capture_time_hooks=hooks_lib.per_callable(capture_time_hooks, count,
+                offload=_per_callable_flags(offload_residuals, count, "offload_residuals"),
+                hooks=hooks_lib.per_callable(hooks, count, "hooks"),
+                capture_time_hooks=hooks_lib.per_callable(capture_time_hooks, count,
                                                            "capture_time_hooks"))
 
 
 def check_offload(offloaded: bool, mode: Any, min_bytes: Any,
-                   names: Any) -> offload_lib.Policy:
+                  names: Any) -> offload_lib.Policy:
   """The offload policy: its mode, and which kept residuals of an offloaded layer move."""
   _check_choice("offload_mode", mode, offload_lib.MODES)
   _check_int("offload_min_bytes", min_bytes, minimum=0)
@@ -425,10 +425,10 @@ def check_offload(offloaded: bool, mode: Any, min_bytes: Any,
 
 
 def check_config(layers: Layers, order: Sequence[float] | None, *, rng: bool,
-                  delay_wgrad: bool, wgrad_argnums: Any, max_captures: Any,
-                  on_new_signature: Any, remat_policy: Any, inference_only: Any,
-                  donate_argnums: Any, per_layer_executables: Any, grad_mask: Any,
-                  offload: offload_lib.Policy, compiler_options: Any) -> graphed_lib.Config:
+                 delay_wgrad: bool, wgrad_argnums: Any, max_captures: Any,
+                 on_new_signature: Any, remat_policy: Any, inference_only: Any,
+                 donate_argnums: Any, per_layer_executables: Any, grad_mask: Any,
+                 offload: offload_lib.Policy, compiler_options: Any) -> graphed_lib.Config:
   """Step 1b: the settings every callable shares, checked against the sample_args."""
   _check_int("max_captures", max_captures, minimum=1)
   _check_choice("on_new_signature", on_new_signature, ON_NEW_SIGNATURE)

@@ -163,7 +163,8 @@ class FusedSegment(graphed_lib.GraphedCallable):
   def replayable(self, signature: sig_lib.Signature) -> bool:
     """Whether `signature` is captured or may be (within `max_captures`); otherwise the
     layers run one by one, each under its own max_captures and fallback."""
-    return signature in self.executables.entries or len(self.executables.entries) < self.config.max_captures
+    entries = self.executables.entries
+    return signature in entries or len(entries) < self.config.max_captures
 
   def vjp_chain(self, params: Sequence[Any], x: Any, consts: tuple[Any, ...],
                 keys: Sequence[jax.Array] | None) -> tuple[Any, graphed_lib.Pullback] | None:
@@ -182,8 +183,8 @@ class FusedSegment(graphed_lib.GraphedCallable):
       return None
     with self.exclusive():
       return self.forward(args, leaves, treedef, None if keys is None else tuple(keys),
-                           phase="replay", iteration=self.counts.replays, microbatch=0,
-                           with_pullback=True, signature=signature)
+                          phase="replay", iteration=self.counts.replays, microbatch=0,
+                          with_pullback=True, signature=signature)
 
   def count_replay(self, *, backward: bool) -> None:
     super().count_replay(backward=backward)

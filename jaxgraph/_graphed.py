@@ -1,11 +1,12 @@
 """`GraphedCallable`: replays one function's cached executables from the host.
 
 Its parts: the callable's state (`Config` shared by one `make_graphed` call, `Counters`
-behind `Stats`, a `rng.KeyStream`), finding or capturing the executables of a signature,
-and the replay of one forward executable, whose backward is a `pullback.Pullback`
-(pullback.py). Which kept buffers go to host memory is the `offload.Offloader`'s, which
-argument leaves get gradients pullback.py's (`masked_leaves`, `masked_vjp`), and which hooks
-fire in a phase `hooks.by_phase`'s.
+behind `Stats`, a `rng.KeyStream`) and the replay of one forward executable, whose backward
+is a `_pullback.Pullback`. Which executables a signature replays is its
+`_cache.ExecutableCache`'s, which kept buffers go to host memory the `offload.Offloader`'s, which
+argument leaves get gradients `_pullback`'s (`masked_leaves`, `masked_vjp`), and which hooks
+fire in a phase `_hooks.by_phase`'s. What the rest of the package uses of a callable is
+`_pullback.Owner`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jaxgraph import _signature as sig_lib
 from jaxgraph import flat as flat_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import rng as rng_lib
-from jaxgraph._pullback import Pullback  # by name: docs/api.md shows the type
+from jaxgraph._pullback import Pullback
 
 OnNewSignature = Literal["capture", "error"]
 
@@ -83,7 +84,7 @@ class Config:
   compiler_options: tuple[tuple[str, Any], ...] = ()
   offload: offload_lib.Policy = offload_lib.Policy()  # of the callables offloaded
   # which argument leaves get gradients: a prefix of the arguments, a function of them, or
-  # None for every float leaf (`pullback.mask_flags`)
+  # None for every float leaf (`_pullback.mask_flags`)
   grad_mask: Any = None
   # (function, signature, offload inside the executables) -> executables, shared by
   # identical callables
@@ -292,13 +293,13 @@ class GraphedCallable:
       self.counts.replays += 1
 
   def differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
-    """The argument leaves of `signature` that get gradients (`pullback.masked_leaves`)."""
+    """The argument leaves of `signature` that get gradients (`_pullback.masked_leaves`)."""
     return pullback_lib.masked_leaves(signature, self.config.grad_mask)
 
   def forward(self, args: tuple[Any, ...], leaves: list[Any], treedef: Any, key: Any, *,
-               phase: hooks_lib.Phase, iteration: int, microbatch: int, with_pullback: bool,
-               stream: tuple[jax.Array, jax.Array] | None = None,
-               signature: sig_lib.Signature | None = None) -> Any:
+              phase: hooks_lib.Phase, iteration: int, microbatch: int, with_pullback: bool,
+              stream: tuple[jax.Array, jax.Array] | None = None,
+              signature: sig_lib.Signature | None = None) -> Any:
     """One forward: hooks, executable, pullback. `stream` overrides the key stream (warmup);
     `signature` is that of `leaves`, where the caller already has it."""
     if signature is None:
@@ -329,7 +330,7 @@ class GraphedCallable:
     return self.config.remat_policy
 
   def twin(self, signature: sig_lib.Signature) -> Any:
-    """The `explicit.Twin` to trace `signature` on, or None: as it is (a prefetching step
+    """The `_explicit.Twin` to trace `signature` on, or None: as it is (a prefetching step
     traces on the twin of its FSDP mesh)."""
     return None
 

@@ -342,8 +342,8 @@ def stop_masked(args: tuple[Any, ...], grad_mask: Any) -> tuple[Any, ...]:
 
 
 def backward_kinds(diff: tuple[int, ...], treedef: Any, *, delay_wgrad: bool,
-                  wgrad_argnums: tuple[int, ...]
-                  ) -> list[tuple[capture_lib.BackwardKind, tuple[int, ...]]]:
+                   wgrad_argnums: tuple[int, ...]
+                   ) -> list[tuple[capture_lib.BackwardKind, tuple[int, ...]]]:
   """Which backward executables to build and which argument leaves each returns grads of
   (of the differentiated leaves `diff` of arguments of structure `treedef`): one "full", or
   "dgrad" now and "wgrad" (the weights') later."""
@@ -400,7 +400,7 @@ class ExecutableBackward:
     needed_outputs: the forward outputs the backward reads.
     kept: what the forward returned for the backward only (donated to the last backward).
     placements: `(argument leaf, its sharding)` where the executable returns that leaf's
-      gradient in another spelling of the same placement (`signature.respelled`).
+      gradient in another spelling of the same placement (`_signature.respelled`).
     on_host: the positions in `kept` of arrays async offload copied to host memory; the
       backward copies them back first, unless `prefetch` already did.
   """
@@ -416,7 +416,7 @@ class ExecutableBackward:
   # residuals wait on the host again in between, as in executable mode.
   _host_while_dgrad: dict[int, Any] = dataclasses.field(default_factory=dict)
   # With delay_wgrad, between dgrad and wgrad: what the dgrad returned for the wgrad
-  # (`capture.WgradSplit`), donated to the wgrad.
+  # (`_capture.WgradSplit`), donated to the wgrad.
   _stash: list[Any] = dataclasses.field(default_factory=list)
 
   def prefetch(self) -> None:

@@ -38,6 +38,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxgraph import flat as flat_lib
 
+__all__ = ["MIN_SHARD_SIZE", "batch_sharding", "gather", "make_mesh", "partition_spec", "place",
+           "remat", "shard", "shardings"]
+
 # Leaves with fewer elements than this stay replicated: sharding a bias or a norm scale saves
 # no memory worth a collective, and gathering it costs one more collective per layer.
 MIN_SHARD_SIZE = 1024

@@ -38,7 +38,7 @@ from jaxgraph import _pullback as pullback_lib
 from jaxgraph import _signature as sig_lib
 from jaxgraph import flat as flat_lib
 
-__all__ = ["PrefetchStep", "Step", "eligible", "steps_of"]
+__all__ = ["PREFETCH_PLATFORMS", "PrefetchStep", "eligible", "steps_of"]
 
 # The platforms where `sequential_vjp` prefetches unless told otherwise: those whose
 # collectives run asynchronously beside compute (XLA:CPU's do not: there prefetch only adds
@@ -114,7 +114,7 @@ def _replicated_small(leaf: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class Step:
+class Prefetching:
   """`step(params, upcoming, x, *consts, key=None)`: one layer of a prefetching chain.
 
   Computes `fn(params, x, *consts[, key=key])` on the layer's params gathered: the FlatTree
@@ -142,7 +142,7 @@ class Step:
 
 
 class PrefetchStep(graphed_lib.GraphedCallable):
-  """A layer replayed as one `Step` of a prefetching chain: its function, key stream and
+  """A layer replayed as one `Prefetching` of a prefetching chain: its function, key stream and
   counters, its executables traced on the Explicit twin of its FSDP mesh. Captures and
   compiles are counted on the layer's `stats`."""
 
@@ -150,7 +150,7 @@ class PrefetchStep(graphed_lib.GraphedCallable):
                twin: explicit_lib.Twin):
     self._layer = layer
     self._twin_mesh = twin
-    super().__init__(Step(layer.fn, own), layer.index, layer.config,
+    super().__init__(Prefetching(layer.fn, own), layer.index, layer.config,
                      hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
                      offload=False, name=f"prefetch({layer.name})")
 

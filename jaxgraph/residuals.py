@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["RECOMPUTED", "recompute_elementwise"]
+
 # Primitives whose outputs are recomputed: elementwise arithmetic, casts and layout changes.
 # Comparisons stay saved: a bool mask (dropout) costs one byte an element, the values it was
 # computed from four. `sharding_constraint` is recomputed so no gathered FSDP weight is saved.

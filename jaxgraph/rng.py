@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["stream_key"]
+
 # Warmup draws from its own stream so that no user-visible stream advances before step 0.
 _WARMUP_SEED = 0x5EED
 
@@ -62,7 +64,14 @@ class KeyStream:
 
 
 def stream_key(index: int, counter: int, base: jax.Array) -> jax.Array:
-  """The key the stream of callable `index` uses at `counter` (for references and docs)."""
+  """The key callable `index` draws from its stream at `counter`, for a reference built
+  outside jaxgraph (a whole-step `jax.jit`) to reproduce a graphed run's dropout bit for bit.
+
+  Without `key=`, replay n of the callable at position `index` of its `make_graphed` call,
+  seeded with `base` (`rng=` or `g.seed(base, counter=c)`), draws
+  `stream_key(index, c + n, base)`: `fold_in(fold_in(base, index), c + n)`. Warmup draws
+  from a stream of its own, so replay 0 is the first draw of the user's stream.
+  """
   return derive_key(base, jnp.uint32(index), jnp.uint32(counter))
 
 

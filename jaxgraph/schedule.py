@@ -423,8 +423,8 @@ def _vjp(layer: graphed_lib.GraphedCallable, args: tuple[Any, ...], microbatch: 
   leaves, treedef = layer.flatten(args, None, {})
   with layer.exclusive():
     return layer.forward(args, leaves, treedef, None, phase="replay",
-                          iteration=layer.counts.replays, microbatch=microbatch,
-                          with_pullback=True)
+                         iteration=layer.counts.replays, microbatch=microbatch,
+                         with_pullback=True)
 
 
 def _add(total: Any, grad: Any) -> Any:

@@ -168,8 +168,8 @@ def platform_gate(monkeypatch):
 
 @pytest.fixture(params=[False, True], ids=["unpacked", "packed"])
 def packing(request, platform_gate) -> bool:
-  """Both sides of the residual packing gate (`capture.PACK_PLATFORMS`, read by
-  `capture._packs`); the test gets the side it runs on. A test of one side takes
+  """Both sides of the residual packing gate (`_capture.PACK_PLATFORMS`, read by
+  `_capture._packs`); the test gets the side it runs on. A test of one side takes
   `@pytest.mark.parametrize("packing", [True], indirect=True)`."""
   platform_gate(capture_lib, "PACK_PLATFORMS", request.param)
   return request.param

@@ -1,4 +1,4 @@
-"""capture.py: residual packing (kept residuals of at most `PACK_MAX_BYTES` travel as one
+"""_capture.py: residual packing (kept residuals of at most `PACK_MAX_BYTES` travel as one
 flat buffer per dtype, on the platforms where that is exact: `PACK_PLATFORMS`), and the
 warning for closed-over weights (`_constants.constant_weights`)."""
 

@@ -1,4 +1,4 @@
-"""`sequential_vjp` (chain.py): a stack chained with per-step inputs and tuple carries."""
+"""`sequential_vjp` (_chain.py): a stack chained with per-step inputs and tuple carries."""
 
 from __future__ import annotations
 

@@ -1,20 +1,38 @@
-"""The package's import graph, read from the source: one way, as DESIGN.md's module table.
+"""The package's house, read from the source: floors, one way up, the public line.
 
 Every `import` counts, also one inside a function (no import moved into a function to dodge a
-cycle). Order: explicit -> capture -> pullback -> graphed -> fusion -> prefetch -> chain (each
-imports only modules before it);
-api builds on graphed and nothing but `__init__` imports it; hooks, rng, signature,
-residuals and flat import no other jaxgraph module.
+cycle). Each module imports only modules on floors below its own (`FLOORS`, the table of
+docs/design.md, which must say the same); `flax` stands apart and imports no other module.
+Internal modules are named with a leading `_`; every public submodule has an `__all__`.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import re
+import types
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxgraph"
-LAYERS = ("explicit", "capture", "pullback", "graphed", "fusion", "prefetch", "chain")
-LEAVES = ("hooks", "rng", "signature", "residuals", "flat")
+import jaxgraph
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxgraph"
+
+# floor -> its modules; each imports only modules on lower floors.
+FLOORS: dict[int, tuple[str, ...]] = {
+    0: ("_hooks", "_signature", "flat", "offload", "residuals", "rng"),
+    1: ("_constants", "_explicit", "fsdp"),
+    2: ("_capture",),
+    3: ("_pullback",),
+    4: ("_cache",),
+    5: ("_graphed",),
+    6: ("_fusion", "prefetch", "schedule"),
+    7: ("_chain", "_checks"),
+    8: ("_api",),
+    9: ("__init__",),
+}
+APART = ("flax",)
 
 
 def _imported(path: pathlib.Path) -> set[str]:
@@ -41,53 +59,51 @@ def _graph() -> dict[str, set[str]]:
   return {name: _imported(path) & set(modules) for name, path in modules.items()}
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-  """One import cycle of `graph` as a path, or None (depth-first search)."""
-  state: dict[str, str] = {}
-  path: list[str] = []
+def _floor_of() -> dict[str, int]:
+  return {name: floor for floor, names in FLOORS.items() for name in names}
 
-  def visit(name: str) -> list[str] | None:
-    state[name] = "open"
-    path.append(name)
-    for dep in sorted(graph[name]):
-      if state.get(dep) == "open":
-        return path[path.index(dep):] + [dep]
-      if dep not in state and (found := visit(dep)) is not None:
-        return found
-    state[name] = "done"
-    path.pop()
-    return None
 
-  for name in sorted(graph):
-    if name not in state and (found := visit(name)) is not None:
-      return found
-  return None
+def test_every_module_has_a_floor():
+  placed = [*_floor_of(), *APART]
+  assert sorted(placed) == sorted(_graph()), "add the new module to FLOORS and docs/design.md"
+  assert len(placed) == len(set(placed))
+
+
+def test_imports_go_down_only():
+  graph, floor_of = _graph(), _floor_of()
+  for name, deps in graph.items():
+    if name in APART:
+      assert not deps, f"{name}.py stands apart but imports {sorted(deps)}"
+      continue
+    up = sorted(dep for dep in deps if dep in APART or floor_of[dep] >= floor_of[name])
+    assert not up, (f"{name}.py (floor {floor_of[name]}) imports {up}, not on a lower floor; "
+                    "move the shared code down, or the module up (FLOORS, docs/design.md)")
 
 
 def test_the_graph_is_read():
   graph = _graph()
-  assert set(LAYERS) | set(LEAVES) | {"api", "__init__"} <= set(graph)
-  assert {"capture", "flat", "signature"} <= graph["graphed"]
-  assert {"graphed", "fusion", "prefetch"} <= graph["chain"]
-  assert {"explicit", "graphed"} <= graph["prefetch"]
+  assert {"_cache", "_capture", "_signature"} <= graph["_graphed"]
+  assert {"_graphed", "_fusion", "prefetch"} <= graph["_chain"]
+  assert graph["_api"] >= {"_checks", "_graphed"}
 
 
-def test_no_import_cycle():
-  cycle = _cycle(_graph())
-  assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+def test_design_page_shows_the_floors():
+  """docs/design.md's floors table lists the same modules on the same floors."""
+  text = (ROOT / "docs" / "design.md").read_text()
+  rows = re.findall(r"^\| (\d+|apart) \| ([^|]+) \|", text, re.MULTILINE)
+  shown = {floor: tuple(sorted(re.findall(r"`([\w]+)`", modules))) for floor, modules in rows}
+  expected = {str(floor): tuple(sorted(names)) for floor, names in FLOORS.items()}
+  assert shown == {**expected, "apart": APART}
 
 
-def test_imports_follow_the_module_order():
-  graph = _graph()
-  for position, name in enumerate(LAYERS):
-    later = graph[name] & set(LAYERS[position + 1:])
-    assert not later, f"{name}.py imports {sorted(later)}, which come after it ({LAYERS})"
-  assert "graphed" in graph["api"] and not graph["api"] & {"fusion", "prefetch", "chain"}
-  importers = sorted(name for name, deps in graph.items() if "api" in deps)
-  assert importers == ["__init__"], f"only __init__ imports api.py, not {importers}"
-
-
-def test_leaves_import_no_other_module():
-  graph = _graph()
-  for name in LEAVES:
-    assert not graph[name], f"{name}.py is a leaf but imports {sorted(graph[name])}"
+def test_internal_modules_are_marked_and_public_ones_list_their_names():
+  public = [name for name in jaxgraph.__all__
+            if isinstance(getattr(jaxgraph, name), types.ModuleType)]
+  files = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
+  assert sorted(public) == sorted(name for name in files if not name.startswith("_")), (
+      "a module without a leading _ is public: list it in jaxgraph.__all__")
+  for name in public:
+    module = importlib.import_module(f"jaxgraph.{name}")
+    assert isinstance(getattr(module, "__all__", None), list), f"jaxgraph.{name}: no __all__"
+    for item in module.__all__:
+      assert hasattr(module, item), f"jaxgraph.{name}.__all__ names {item!r}, not defined"

@@ -1,4 +1,4 @@
-"""Threads. The decision (graphed.py, docs/reliability.md): different GraphedCallables may
+"""Threads. The decision (_graphed.py, docs/reliability.md): different GraphedCallables may
 replay from different threads at the same time; concurrent or reentrant use of one
 GraphedCallable (a forward, or a backward of one of its pullbacks) is refused with a clear
 RuntimeError, never silently raced. Contention is made deterministic with a hook that blocks

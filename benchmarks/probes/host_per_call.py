@@ -29,7 +29,7 @@ runtime's cost per device from that of the collectives). `cpu` is the main threa
 time per call (`time.thread_time`): host work without the waits.
 
 Where the executables come from is jaxgraph's default (`--per-layer-executables auto`: a
-loaded copy per layer on a GPU, `capture.loaded_copy`; `on` forces the copies, as the CPU
+loaded copy per layer on a GPU, `_capture.loaded_copy`; `on` forces the copies, as the CPU
 smoke test does); `bare` calls the same executables each layer replays. `--compiler-option
 NAME=VALUE` (repeatable) compiles every executable with that XLA option
 (`make_graphed(..., compiler_options=...)`; `true`/`false` are bools, numbers numbers,
@@ -68,7 +68,7 @@ Measured (jaxgraph at a690231; 2 shared vCPUs, XLA:CPU with 8 virtual devices, j
   `_replay_forward`, `signature_of`, `Pullback.__call__`, `assemble` (cProfile, py-spy): no
   hot spot to cut.
 * A mesh of one device (not measured above: `--devices 1` has none, as
-  benchmarks/llama_fsdp.py's N = 1) respells each gradient's sharding (`pullback.placed_as`,
+  benchmarks/llama_fsdp.py's N = 1) respells each gradient's sharding (`_pullback.placed_as`,
   `P("fsdp")` is `P()` there): ~16 µs a gradient, 19% of the main thread there; it is
   already cheaper than `jax.device_put` to the equal sharding (~46 µs).
 """
