@@ -172,7 +172,7 @@ def main() -> None:
   size = gpt.SIZES[args.size]
   attention = harness.attention(args.attention)
   results = harness.drive(
-      __file__, args, size, lambda v: measure_memory(size, v, attention),
+      "benchmarks.fsdp_bench", args, size, lambda v: measure_memory(size, v, attention),
       lambda: measure_time(size, args.variants, attention, args.iters, args.reps),
       show=lambda result: json.dumps(result)[:2000])
   if results is None:

@@ -134,11 +134,11 @@ def parse_args(description: str, variants: Sequence[str], json_name: str) -> arg
   return parsed(argument_parser(description, variants, json_name))
 
 
-def run_child(script: str, args: list[str], timeout: float) -> dict[str, Any]:
-  """Runs `script` with `args` in a fresh process (fresh peak memory); returns the last JSON
-  line it printed, or the error."""
+def run_child(module: str, args: list[str], timeout: float) -> dict[str, Any]:
+  """Runs `python -m module` with `args` in a fresh process (fresh peak memory) where this
+  one runs (the repository root); returns the last JSON line it printed, or the error."""
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  out = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True,
+  out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
                        text=True, env=env, timeout=timeout)
   lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
   if out.returncode != 0 or not lines:
@@ -146,7 +146,7 @@ def run_child(script: str, args: list[str], timeout: float) -> dict[str, Any]:
   return json.loads(lines[-1])
 
 
-def drive(script: str, args: argparse.Namespace, size: Any,
+def drive(module: str, args: argparse.Namespace, size: Any,
           measure_memory: Callable[[str], dict[str, Any]],
           measure_time: Callable[[], dict[str, Any]],
           show: Callable[[dict[str, Any]], str]) -> dict[str, Any] | None:
@@ -168,10 +168,10 @@ def drive(script: str, args: argparse.Namespace, size: Any,
       xla_flags=os.environ.get("XLA_FLAGS", ""), memory=[])
   for v in args.variants:
     results["memory"].append(
-        run_child(script, ["--child", "memory", "--variants", v, *common], 600))
+        run_child(module, ["--child", "memory", "--variants", v, *common], 600))
     print(show(results["memory"][-1]), flush=True)
   results["time"] = run_child(
-      script, ["--child", "time", "--variants", *args.variants, "--iters", str(args.iters),
+      module, ["--child", "time", "--variants", *args.variants, "--iters", str(args.iters),
                "--reps", str(args.reps), *common], 900)
   print(show(results["time"]), flush=True)
   return results

@@ -42,16 +42,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
-import jaxgraph as jg  # noqa: E402
-from common import write_json  # noqa: E402
-from llama.data import make_corpus, step_batches, vocabulary_record  # noqa: E402
-from llama.layers import RESIDUAL_POLICIES, build_layers, split, tied_inputs  # noqa: E402
-from llama.model import Llama  # noqa: E402
-from llama.offload import offload_spec, plan_offload  # noqa: E402
-from llama.presets import PRESETS, Preset, model_config  # noqa: E402
-from llama.trainer import Trainer, flat_group, optimizer  # noqa: E402
+import jaxgraph as jg
+from examples.common import write_json
+from examples.llama.data import make_corpus, step_batches, vocabulary_record
+from examples.llama.layers import RESIDUAL_POLICIES, build_layers, split, tied_inputs
+from examples.llama.model import Llama
+from examples.llama.offload import offload_spec, plan_offload
+from examples.llama.presets import PRESETS, Preset, model_config
+from examples.llama.trainer import Trainer, flat_group, optimizer
 
 VARIANTS = ("none", "slowdown=5%", "all")
 
@@ -204,7 +202,7 @@ def main() -> None:
     if time.perf_counter() - start > args.deadline:
       found["variants"][variant] = {"variant": variant, "error": "skipped: past --deadline"}
       continue
-    command = [sys.executable, __file__, *sys.argv[1:], "--child", variant]
+    command = [sys.executable, "-m", "benchmarks.llama_offload", *sys.argv[1:], "--child", variant]
     run = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = run.stdout.splitlines()
     print("\n".join(line for line in lines if not line.startswith("RESULT ")), flush=True)

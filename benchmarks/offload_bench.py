@@ -395,7 +395,8 @@ def run_child(args: argparse.Namespace, child: str, variants: list[str],
   if left < 20:
     return dict(args=[child, *variants], error="skipped: past --deadline", returncode=None)
   try:
-    return harness.run_child(__file__, child_args(args, child, variants), timeout=left)
+    return harness.run_child("benchmarks.offload_bench", child_args(args, child, variants),
+                             timeout=left)
   except Exception as e:  # a timeout: reported, the parent goes on
     return dict(args=[child, *variants], error=repr(e)[-2000:], returncode=None)
 

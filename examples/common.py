@@ -32,11 +32,11 @@ from jax.sharding import Sharding
 
 import jaxgraph as jg
 import jaxgraph.rng
-import interrupt
-from checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held, other_shapes,
+from examples import interrupt
+from examples.checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held, other_shapes,
                                quiet_closed_loops, reason, tree_digests)
-from progress import LogLines, close_bars, progress_bar  # noqa: F401 (LogLines: for users)
-from vocabulary import Vocabulary
+from examples.progress import LogLines, close_bars, progress_bar  # noqa: F401 (LogLines: for users)
+from examples.vocabulary import Vocabulary
 
 
 def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentParser:
@@ -141,9 +141,9 @@ def move_aside(out: pathlib.Path) -> pathlib.Path | None:
   return destination
 
 
-def resume_command(script: str, argv: Sequence[str]) -> str:
-  """The command that continues the run `script` started with `argv`: the same flags
-  without --stop-after and --fresh, with --resume (`given_command`: as given)."""
+def resume_command(module: str, argv: Sequence[str]) -> str:
+  """The command that continues the run `python -m module` started with `argv`: the same
+  flags without --stop-after and --fresh, with --resume (`given_command`: as given)."""
   flags, skip = [], False
   for arg in argv:
     if skip:
@@ -152,16 +152,13 @@ def resume_command(script: str, argv: Sequence[str]) -> str:
       skip = True
     elif not (arg.startswith("--stop-after=") or arg in ("--fresh", "--resume")):
       flags.append(arg)
-  return given_command(script, [*flags, "--resume"])
+  return given_command(module, [*flags, "--resume"])
 
 
-def given_command(script: str, argv: Sequence[str]) -> str:
-  """`python script argv...`, the script shown from the working directory where it is
-  below it."""
-  path = pathlib.Path(script).absolute()
-  with contextlib.suppress(ValueError):
-    path = path.relative_to(pathlib.Path.cwd())
-  return shlex.join(["python", str(path), *argv])
+def given_command(module: str, argv: Sequence[str]) -> str:
+  """`python -m module argv...`: the command as run from the repository root (where the
+  examples run, `python -m examples.NAME`)."""
+  return shlex.join(["python", "-m", module, *argv])
 
 
 class Corpus:

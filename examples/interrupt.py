@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator
 
-from progress import close_bars
+from examples.progress import close_bars
 
 # What each `point` is called in the last line.
 PHASES = {

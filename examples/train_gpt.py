@@ -43,11 +43,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-import interrupt
+from examples import interrupt
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-import vocabulary as vocab_lib
-from common import (Checkpoints, Corpus, Streams, check_out, check_resume, check_steps,
+from examples import vocabulary as vocab_lib
+from examples.common import (Checkpoints, Corpus, Streams, check_out, check_resume, check_steps,
                     given_command, params_digest, plot, progress_bar, resume_command,
                     run_parser, stream_keys, stream_positions, write_json)
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
@@ -326,7 +326,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse(argv)
-  command = resume_command(__file__, sys.argv[1:] if argv is None else argv)
+  command = resume_command("examples.train_gpt", sys.argv[1:] if argv is None else argv)
   interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
   preset = PRESETS[args.preset]
   total = args.steps or preset.steps
@@ -471,5 +471,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  interrupt.run(main, sys.argv[1:], command=resume_command(__file__, sys.argv[1:]),
-                rerun=given_command(__file__, sys.argv[1:]))
+  interrupt.run(main, sys.argv[1:], command=resume_command("examples.train_gpt", sys.argv[1:]),
+                rerun=given_command("examples.train_gpt", sys.argv[1:]))

@@ -45,10 +45,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 from benchmarks import bench  # sets the allocator environment before jax starts
 from benchmarks import gpt, harness, profiling
-from benchmarks.probes import llama_breakdown  # puts examples/ on the path
+from benchmarks.probes import llama_breakdown
 import jax
 import jax.numpy as jnp
-from llama.data import step_batches
+from examples.llama.data import step_batches
 
 import jaxgraph as jg
 from jaxgraph import fusion

@@ -24,19 +24,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import pathlib
-import sys
 import tempfile
 from typing import Any, Callable
 
 import jax
 from jax import stages
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
-import jaxgraph as jg  # noqa: E402
-from llama import train as train_lib  # noqa: E402
-from llama import trainer as trainer_lib  # noqa: E402
+import jaxgraph as jg
+from examples.llama import train as train_lib
+from examples.llama import trainer as trainer_lib
 
 
 class _Done(Exception):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from common import Corpus, Streams
+from examples.common import Corpus, Streams
 
 from .data import step_batches
 from .fsdp_report import collectives

@@ -8,8 +8,8 @@ import argparse
 import pathlib
 from typing import Any
 
-import vocabulary as vocab_lib
-from common import Checkpoints
+from examples import vocabulary as vocab_lib
+from examples.common import Checkpoints
 
 from .data import describe_vocabulary, load_vocabulary, vocabulary_record
 from .layers import Params

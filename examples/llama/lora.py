@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 import jaxgraph as jg
-from common import Checkpoints, NoCheckpoint, params_digest
+from examples.common import Checkpoints, NoCheckpoint, params_digest
 
 from .checkpoints import check_vocabulary, run_config, shown_config
 from .layers import Params, split

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxgraph as jg
-from common import Corpus, Streams, stream_positions
+from examples.common import Corpus, Streams, stream_positions
 
 from .layers import Batches, Layer, Params, graphed, tied_inputs
 from .model import Config
