@@ -7,8 +7,8 @@ once more alone for its cold capture time and peak device memory, and the captur
 12 layers, and 12 layers again from a warm persistent compilation cache. Prints a table,
 writes `bench.json` and `bench.png` to `--out`.
 
-  PYTHONPATH=. python3 benchmarks/bench.py --sizes small medium --out /tmp/bench
-  PYTHONPATH=. python3 benchmarks/bench.py --tiny --out /tmp/bench   # tiny sizes, any backend
+  python3 -m benchmarks.bench --sizes small medium --out /tmp/bench
+  python3 -m benchmarks.bench --tiny --out /tmp/bench   # tiny sizes, any backend
 
 Variants (step = forward + loss gradient + backward + SGD update). A name is a base and any
 of the modifiers after it, in any order (`jaxgraph-fuse-flat-recompute`):

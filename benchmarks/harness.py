@@ -36,12 +36,28 @@ def machine() -> dict[str, Any]:
 
 
 def device_memory() -> dict[str, int] | None:
-  """`bytes_in_use` and `peak_bytes_in_use`, the largest over the local devices; None on
-  backends without memory stats (CPU)."""
+  """`bytes_in_use` and `peak_bytes_in_use`, the largest over the local devices (on one
+  device, its own); None on backends without memory stats (CPU)."""
   stats = [d.memory_stats() for d in jax.local_devices()]
   if not all(stats):
     return None
   return {k: max(int(s[k]) for s in stats) for k in ("bytes_in_use", "peak_bytes_in_use")}
+
+
+def memory_record(before: dict[str, int] | None, after_steps: dict[str, int] | None, *,
+                  after_capture: dict[str, int] | None = None) -> dict[str, int]:
+  """A result's memory fields from `device_memory` read before a variant is built, after its
+  capture (optional) and after its steps: `bytes_in_use_before`, `peak_after_capture`,
+  `peak_after_steps` and `activation_peak` (the steps' peak above what was in use before);
+  empty on backends without memory stats."""
+  if before is None or after_steps is None:
+    return {}
+  record = {"bytes_in_use_before": before["bytes_in_use"]}
+  if after_capture is not None:
+    record["peak_after_capture"] = after_capture["peak_bytes_in_use"]
+  record["peak_after_steps"] = after_steps["peak_bytes_in_use"]
+  record["activation_peak"] = after_steps["peak_bytes_in_use"] - before["bytes_in_use"]
+  return record
 
 
 def interleaved(rounds: int, runs: Mapping[str, Callable[[], T]]) -> dict[str, list[T]]:
@@ -175,11 +191,3 @@ def drive(module: str, args: argparse.Namespace, size: Any,
                "--reps", str(args.reps), *common], 900)
   print(show(results["time"]), flush=True)
   return results
-
-
-def write_json(folder: str | None, name: str, results: dict[str, Any]) -> None:
-  """Writes `results` to `folder/name` when a folder was given."""
-  if folder:
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, name), "w") as f:
-      json.dump(results, f, indent=1)

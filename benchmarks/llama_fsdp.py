@@ -1,9 +1,9 @@
 """FSDP on several GPUs: the Llama example's graphed step against its sharded whole-step jit.
 
-  PYTHONPATH=. python3 benchmarks/llama_fsdp.py --rows gpu-1b:1 gpu-1b:2 gpu-1b:4 gpu:1 gpu:4 \\
+  python3 -m benchmarks.llama_fsdp --rows gpu-1b:1 gpu-1b:2 gpu-1b:4 gpu:1 gpu:4 \\
       'gpu-1b:4:--fuse 4' --per-process --trace --record docs/results/fsdp-gpu.txt \\
       --out /tmp/fsdp                                                              # 4 GPUs
-  JAX_PLATFORMS=cpu PYTHONPATH=. python3 benchmarks/llama_fsdp.py --rows tiny:1 tiny:2 \\
+  JAX_PLATFORMS=cpu python3 -m benchmarks.llama_fsdp --rows tiny:1 tiny:2 \\
       --per-process --rounds 1 --round-steps 1 --out /tmp/fsdp     # CPU smoke: N virtual devices
 
 A row `PRESET:N[:FLAGS]` is the example's preset weak-scaled to N devices: its batch times N,

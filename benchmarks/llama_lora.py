@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning in the Llama example: tokens/s and peak memory from one start.
 
-  PYTHONPATH=. python3 benchmarks/llama_lora.py --preset gpu --out /tmp/llama-lora   # one GPU
-  PYTHONPATH=. python3 benchmarks/llama_lora.py --preset tiny --base-steps 10 --steps 9 \\
+  python3 -m benchmarks.llama_lora --preset gpu --out /tmp/llama-lora   # one GPU
+  python3 -m benchmarks.llama_lora --preset tiny --base-steps 10 --steps 9 \\
       --repeats 1 --out /tmp/ll                                                # CPU smoke run
 
 First a base run (`examples/llama/train.py --preset P --steps BASE`), then `--repeats` pairs

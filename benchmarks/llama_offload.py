@@ -1,8 +1,8 @@
 """Residual offload in the Llama example's training step: activation memory and tokens/s.
 
-  PYTHONPATH=. python3 benchmarks/llama_offload.py --preset gpu-1b --context 8192 --batch 2 \
+  python3 -m benchmarks.llama_offload --preset gpu-1b --context 8192 --batch 2 \
       --out /tmp/llama-offload                                   # one GPU
-  PYTHONPATH=. python3 benchmarks/llama_offload.py --preset tiny --out /tmp/lo   # CPU smoke run
+  python3 -m benchmarks.llama_offload --preset tiny --out /tmp/lo   # CPU smoke run
 
 Each variant (an `--offload` of examples/llama/train.py: by default none, slowdown=5% and
 all) runs alone in a fresh process, as peak_bytes_in_use only grows. It builds the
@@ -43,21 +43,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxgraph as jg
-from examples.common import write_json
+from benchmarks import harness
 from examples.llama.data import make_corpus, step_batches, vocabulary_record
 from examples.llama.layers import RESIDUAL_POLICIES, build_layers, split, tied_inputs
 from examples.llama.model import Llama
 from examples.llama.offload import offload_spec, plan_offload
 from examples.llama.presets import PRESETS, Preset, model_config
 from examples.llama.trainer import Trainer, flat_group, optimizer
+from examples.records import write_json
 
 VARIANTS = ("none", "slowdown=5%", "all")
-
-
-def device_memory() -> dict[str, int] | None:
-  """bytes_in_use and peak_bytes_in_use of the default device; None where it keeps none."""
-  stats = jax.devices()[0].memory_stats()
-  return None if not stats else {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use")}
 
 
 def preset_of(args: argparse.Namespace) -> Preset:
@@ -98,7 +93,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
   trainer = Trainer(layers, config, tx, preset.microbatches, *state)
   capture_seconds = time.perf_counter() - begin - plan_seconds
   blocks = layers[1:-1]
-  before = device_memory()
+  before = harness.device_memory()
   done = 0
 
   def steps(count: int) -> None:
@@ -116,7 +111,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     start = time.perf_counter()
     steps(args.round_steps)
     rates.append(args.round_steps * tokens_per_step / (time.perf_counter() - start))
-  after = device_memory()
+  after = harness.device_memory()
   result: dict[str, Any] = {
       "variant": variant, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
       "preset": args.preset, "context": preset.context,
@@ -131,10 +126,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
       "residual_bytes": sum(b.stats.residual_bytes for b in blocks),
       "offload_bytes": sum(b.stats.offload_bytes for b in blocks),
       "offload": None if choice is None else choice.summary()}
-  if before is not None:
-    result.update(bytes_in_use_before=before["bytes_in_use"],
-                  peak_bytes=after["peak_bytes_in_use"],
-                  activation_peak=after["peak_bytes_in_use"] - before["bytes_in_use"])
+  result.update(harness.memory_record(before, after))
   return result
 
 

@@ -1,7 +1,7 @@
 """Where the graphed Llama step's time goes, beside its whole-step jit: host or device.
 
-  PYTHONPATH=. python3 benchmarks/probes/llama_breakdown.py --preset gpu --flat --out runs/breakdown
-  PYTHONPATH=. python3 benchmarks/probes/llama_breakdown.py --preset tiny --rounds 2   # CPU smoke
+  python3 -m benchmarks.probes.llama_breakdown --preset gpu --flat --out runs/breakdown
+  python3 -m benchmarks.probes.llama_breakdown --preset tiny --rounds 2   # CPU smoke
 
 Per variant (residual policy, packing threshold) it measures:
   - calls: one block's arrays per `vjp`, and host microseconds per call taken in bursts of a
@@ -40,7 +40,7 @@ from benchmarks import harness, profiling
 
 import jaxgraph as jg
 from jaxgraph import capture as capture_lib
-from examples.common import Corpus
+from examples.corpus import Corpus
 from examples.llama.data import make_corpus, step_batches
 from examples.llama.layers import build_layers, split, tied_inputs
 from examples.llama.model import Config, Llama

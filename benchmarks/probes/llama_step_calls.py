@@ -10,9 +10,9 @@ the others by their module: the step's zeros, `accumulate`, `apply_update`), eve
 (`jax.block_until_ready`, `jax.device_get`). Prints a table and a JSON line; the run stops
 after `--steps` counted steps.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu PYTHONPATH=. \
-      python3 benchmarks/probes/llama_step_calls.py -- --preset tiny --fsdp 4 --no-check
-  PYTHONPATH=. python3 benchmarks/probes/llama_step_calls.py -- --preset gpu --fsdp 4 \
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+      python3 -m benchmarks.probes.llama_step_calls -- --preset tiny --fsdp 4 --no-check
+  python3 -m benchmarks.probes.llama_step_calls -- --preset gpu --fsdp 4 \
       --batch 64 --no-check      # 4 GPUs; also with --fuse 12
 
 The counts are the host's work, not its time: on the CPU the example also waits for every

@@ -7,7 +7,7 @@ import argparse
 import pathlib
 
 from examples import vocabulary as vocab_lib
-from examples.common import check_out, check_resume, check_steps, run_parser
+from examples.options import check_out, check_resume, check_steps, run_parser
 
 from .checkpoints import check_vocabulary, run_config, shown_config
 from .lora import check_flags as check_fine_tuning

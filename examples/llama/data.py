@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from examples import vocabulary as vocab_lib
-from examples.common import Corpus
+from examples.corpus import Corpus
 
 from .presets import Preset
 

@@ -1,10 +1,10 @@
 """Train the Llama-style model of model.py with every decoder block graphed, then generate.
 
-  PYTHONPATH=. python examples/llama/train.py --preset cpu    # 1.5 min of CPU time, 2 cores
-  PYTHONPATH=. python examples/llama/train.py --preset tiny   # 12 steps, mostly compiling (CI)
-  PYTHONPATH=. python examples/llama/train.py --preset gpu    # one GPU; also times one
+  python -m examples.llama.train --preset cpu    # 1.5 min of CPU time, 2 cores
+  python -m examples.llama.train --preset tiny   # 12 steps, mostly compiling (CI)
+  python -m examples.llama.train --preset gpu    # one GPU; also times one
                                                               # whole-step jax.jit of the model
-  PYTHONPATH=. python examples/llama/train.py --preset gpu-1b # ~1B params on one 80 GB GPU
+  python -m examples.llama.train --preset gpu-1b # ~1B params on one 80 GB GPU
   ... --stop-after 40, then the same command with --resume    # bitwise the uninterrupted run
   ... --fresh           # a new run in an --out that holds one (moved to OUT/earlier-N/)
   Ctrl-C, anywhere      # one line: the checkpoint step kept and the command that continues
@@ -63,8 +63,12 @@ import jaxgraph as jg  # noqa: E402
 from jaxgraph import fsdp  # noqa: E402
 
 from examples import interrupt  # noqa: E402
-from examples.common import (Checkpoints, Corpus, given_command, params_digest,  # noqa: E402
-                    plot, progress_bar, resume_command, write_json)
+from examples.checkpoints import Checkpoints  # noqa: E402
+from examples.corpus import Corpus  # noqa: E402
+from examples.options import given_command, resume_command  # noqa: E402
+from examples.plotting import plot  # noqa: E402
+from examples.progress import progress_bar  # noqa: E402
+from examples.records import arrays_sha256, write_json  # noqa: E402
 from examples.llama import check as check_lib  # noqa: E402
 from examples.llama import lora  # noqa: E402
 from examples.llama.checkpoints import metadata, resume, run_config  # noqa: E402
@@ -302,7 +306,7 @@ def summarize(args: argparse.Namespace, preset: Preset, params: Params, losses: 
       "eval_losses": eval_losses, "final_loss": losses[-1] if losses else None,
       "train_seconds": round(timer.seconds, 3), "capture_seconds": round(captured.seconds, 3),
       "tokens_per_second": loop["median"], "throughput": {"loop": loop},
-      "params_sha256": params_digest(placement.host(params)), "vocabulary": vocabulary,
+      "params_sha256": arrays_sha256(placement.host(params)), "vocabulary": vocabulary,
       "offload": None if offload is None else offload.summary(),
       "stats": {f"{kind} {layer.name}": layer.stats._asdict()
                 for kind, layers in captured.kinds() for layer in graphed(layers)},
