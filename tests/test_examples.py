@@ -51,9 +51,10 @@ def env(compilation_cache_env: dict[str, str]) -> dict[str, str]:
   return {**os.environ, "PYTHONPATH": path, **compilation_cache_env}
 
 
-def _run(script: str, env: dict[str, str], *args: str) -> str:
-  """Runs an example; its stdout and stderr (warnings, the bar) together."""
-  result = subprocess.run([sys.executable, str(EXAMPLES / script), *args], env=env,
+def _run(module: str, env: dict[str, str], *args: str) -> str:
+  """Runs an example, `python -m module`; its stdout and stderr (warnings, the bar)
+  together."""
+  result = subprocess.run([sys.executable, "-m", module, *args], env=env,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   return result.stdout + result.stderr
@@ -62,9 +63,9 @@ def _run(script: str, env: dict[str, str], *args: str) -> str:
 def _continue(out: str, env: dict[str, str]) -> str:
   """Runs the command a run stopped by --stop-after printed to continue it."""
   command = re.search(r"continue with: (.*)", out).group(1)
-  python, script, *args = shlex.split(command)
-  assert python == "python" and "--resume" in args and "--stop-after" not in args
-  return _run(str(pathlib.Path(script).absolute()), env, *args)
+  python, m, module, *args = shlex.split(command)
+  assert [python, m] == ["python", "-m"] and "--resume" in args and "--stop-after" not in args
+  return _run(module, env, *args)
 
 
 # Runs a script with SIGINT handled as in a terminal (a test runner's child may inherit it
@@ -73,13 +74,13 @@ _SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.
                    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
-def _interrupted(script: str, env: dict[str, str], at: str, *args: str) -> str:
+def _interrupted(module: str, env: dict[str, str], at: str, *args: str) -> str:
   """Runs an example that gets Ctrl-C (SIGINT) at `at`: a point of examples/interrupt.py
   (NAME or NAME@STEP), or "compile" (inside an XLA compile). Checks that it ends with one
   line, status 130, no traceback or crash, and no temporary checkpoint folder left in its
   --out; returns that line."""
-  result = subprocess.run([sys.executable, "-c", _SIGINT_DEFAULT, str(EXAMPLES / script),
-                           *args], env={**env, "EXAMPLES_INTERRUPT_AT": at},
+  result = subprocess.run([sys.executable, "-c", _SIGINT_DEFAULT, "-m", module, *args],
+                          env={**env, "EXAMPLES_INTERRUPT_AT": at},
                           capture_output=True, text=True, timeout=600)
   out = result.stdout + result.stderr
   assert result.returncode == 130, out
@@ -110,7 +111,7 @@ def _flip_bytes(step: pathlib.Path, count: int = 8) -> None:
 def test_train_gpt_trains_checkpoints_and_resumes_bitwise(tmp_path, env):
   common = ["--preset", "tiny", "--steps", "12", "--sample", "0"]
   whole, parts = tmp_path / "whole", tmp_path / "parts"
-  out = _run("train_gpt.py", env, *common, "--out", str(whole), "--check")
+  out = _run("examples.train_gpt", env, *common, "--out", str(whole), "--check")
   assert "captures 0  cache hits 1" in out  # the second block reuses the first one's capture
   assert "steps=12," in out  # the header shows the run's steps (the preset's are 30)
   metrics = json.loads((whole / "metrics.json").read_text())
@@ -127,7 +128,7 @@ def test_train_gpt_trains_checkpoints_and_resumes_bitwise(tmp_path, env):
 
   # Ctrl-C in the sample of a run stopped at step 5: one line, and the command it names
   # continues the run (Ctrl-C elsewhere: the Llama test below; the same examples/interrupt.py).
-  line = _interrupted("train_gpt.py", env, "generation", *common[:-1], "4", "--out",
+  line = _interrupted("examples.train_gpt", env, "generation", *common[:-1], "4", "--out",
                       str(parts), "--stop-after", "5")
   assert line.startswith(f"interrupted (Ctrl-C) during generation: checkpoint step 5 kept "
                          f"({parts.absolute() / 'checkpoints' / '5'}); continue with: python ")
@@ -146,7 +147,7 @@ def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, e
   common = ["--preset", "tiny", "--steps", "12", "--generate", "8", "--no-flat",
             "--residuals", "all"]  # the defaults are flat and recompute: the other test
   whole, parts = tmp_path / "whole", tmp_path / "parts"
-  out = _run("llama/train.py", env, *common, "--out", str(whole), "--check", "--rounds", "3",
+  out = _run("examples.llama.train", env, *common, "--out", str(whole), "--check", "--rounds", "3",
              "--round-steps", "2")
   assert "train Block[2]     captures 0  cache hits 1" in out  # blocks share one capture
   metrics = json.loads((whole / "metrics.json").read_text())
@@ -174,7 +175,7 @@ def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, e
   assert decode["Block[1]"]["compiles"] == 0 and decode["Block[1]"]["cache_hits"] == 1
   assert len(metrics["generation"]["continuation"]) == 8
 
-  out = _run("llama/train.py", env, *common, "--out", str(parts), "--stop-after", "5")
+  out = _run("examples.llama.train", env, *common, "--out", str(parts), "--stop-after", "5")
   assert "stopped after step 5 of 12 (--stop-after); continue with: python " in out
   # Killed after the checkpoint, before metrics.json: the history is in the checkpoint.
   (parts / "metrics.json").unlink()
@@ -187,7 +188,7 @@ def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, e
   # --whole-step: the same loop through one jax.jit, the same keys (first step bitwise as
   # --check found), timed the same way.
   step = tmp_path / "step"
-  out = _run("llama/train.py", env, "--preset", "tiny", "--steps", "12", "--generate", "0",
+  out = _run("examples.llama.train", env, "--preset", "tiny", "--steps", "12", "--generate", "0",
              "--whole-step", "--out", str(step))
   assert "--whole-step: training through one whole-step jax.jit" in out
   assert "train Block" not in out  # no graphed training layers captured
@@ -202,7 +203,7 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false"}
   common = ["--preset", "tiny", "--steps", "12", "--generate", "4"]  # flat, recompute: the defaults
   whole, parts = tmp_path / "whole", tmp_path / "parts"
-  out = _run("llama/train.py", env, *common, "--out", str(whole), "--check")
+  out = _run("examples.llama.train", env, *common, "--out", str(whole), "--check")
   assert "params held flat: 6 buffers for 20 leaves" in out  # decay / no_decay per part
   metrics = json.loads((whole / "metrics.json").read_text())
   losses = metrics["losses"]
@@ -218,7 +219,7 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   # 8 flipped bytes (it reads, and would train on wrong values): its digests reject it.
   shutil.copytree(whole, parts)
   _flip_bytes(parts / "checkpoints" / "12")
-  out = _run("llama/train.py", env, *common, "--out", str(parts), "--resume")
+  out = _run("examples.llama.train", env, *common, "--out", str(parts), "--resume")
   assert "checkpoint step 12 in" in out and "does not match its digests" in out
   assert "resumed from step 10" in out
   assert (parts / "checkpoints-rejected" / "12").is_dir()
@@ -229,7 +230,7 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   # --offload memory=0: every kept buffer of every block waits in pinned host memory between
   # its forward and backward (the plan for a budget of 0 bytes): the same run, bit for bit.
   offloaded = tmp_path / "offloaded"
-  out = _run("llama/train.py", env, *common, "--out", str(offloaded), "--offload", "memory=0",
+  out = _run("examples.llama.train", env, *common, "--out", str(offloaded), "--offload", "memory=0",
              "--no-check")
   assert re.search(r"Block\[0\] +[0-9.]+ +[0-9.]+ +[0-9.]+ +\d+ ", out)  # the measured table
   assert "offload 2 of 2 layers (the first 2)" in out and "of them in host memory" in out
@@ -243,7 +244,7 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   # --fuse: the blocks as one executable pair per microbatch, the layers' own kernels (an
   # optimization barrier between blocks): on the CPU the same run, bit for bit.
   fused = tmp_path / "fused"
-  _run("llama/train.py", env, *common, "--out", str(fused), "--fuse", "--no-check")
+  _run("examples.llama.train", env, *common, "--out", str(fused), "--fuse", "--no-check")
   fused_metrics = json.loads((fused / "metrics.json").read_text())
   assert fused_metrics["config"]["fuse"] is True
   if jax.default_backend() == "cpu":
@@ -251,10 +252,10 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
     assert fused_metrics["params_sha256"] == metrics["params_sha256"]
 
 
-def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, env, common):
+def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, env):
   """Also a byte-level BPE vocabulary (trained on the fables into --cache, recorded in the
   checkpoint) and --offload of the blocks in a make_graphed call of their own."""
-  out = _run("llama/train.py", env, "--preset", "tiny", "--steps", "4", "--generate", "4",
+  out = _run("examples.llama.train", env, "--preset", "tiny", "--steps", "4", "--generate", "4",
              "--plain-ends", "--untied", "--dropout", "0", "--microbatches", "1",
              "--vocab", "300", "--cache", str(tmp_path / "cache"), "--offload", "all",
              "--out", str(tmp_path))
@@ -271,7 +272,7 @@ def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, en
   assert vocabulary["text"] == "fables" and pathlib.Path(vocabulary["file"]).is_file()
   assert [metrics["stats"][f"train Block[{i}]"]["offload_bytes"] > 0 for i in (0, 1)] == [
       True, True]
-  step, meta = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
+  step, meta = checkpoints_lib.Checkpoints(tmp_path / "checkpoints").latest_meta()
   assert step == 4 and meta["vocabulary"] == vocabulary
 
 
@@ -284,9 +285,9 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   on LoRA, and for fine-tuning every param."""
   base, tuned, resumed = tmp_path / "base", tmp_path / "lora", tmp_path / "resumed"
   tiny = ["--preset", "tiny", "--generate", "0"]
-  _run("llama/train.py", env, *tiny, "--out", str(base))
+  _run("examples.llama.train", env, *tiny, "--out", str(base))
   lora = [*tiny, "--init-from", str(base), "--lora", "4"]
-  out = _run("llama/train.py", env, *lora, "--out", str(tuned))
+  out = _run("examples.llama.train", env, *lora, "--out", str(tuned))
   trained = json.loads((base / "metrics.json").read_text())
   metrics = json.loads((tuned / "metrics.json").read_text())
   start = metrics["fine_tuning"]
@@ -324,7 +325,7 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   # A LoRA run is a run to start from: its adapters merged into its kernels (W + A @ B), then
   # new adapters over them (LoRA on LoRA), ...
   stacked = tmp_path / "lora-on-lora"
-  out = _run("llama/train.py", env, *tiny, "--init-from", str(tuned), "--lora", "4", "--steps",
+  out = _run("examples.llama.train", env, *tiny, "--init-from", str(tuned), "--lora", "4", "--steps",
              "2", "--generate", "4", "--out", str(stacked))
   assert "it is a --lora 4 run: its adapters merged into the kernels (W + A @ B)" in out
   assert json.loads((stacked / "metrics.json").read_text())["generation"]["continuation"]
@@ -350,7 +351,7 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   shutil.copytree(tuned, resumed)
   shutil.rmtree(resumed / "checkpoints" / "12")  # as if stopped after step 10's checkpoint
   base.rename(tmp_path / "moved")  # its checkpoints hold the params: no base run needed
-  out = _run("llama/train.py", env, *lora, "--out", str(resumed), "--resume")
+  out = _run("examples.llama.train", env, *lora, "--out", str(resumed), "--resume")
   assert "resumed from step 10" in out
   again = json.loads((resumed / "metrics.json").read_text())
   assert again["losses"] == metrics["losses"] and again["eval_losses"] == eval_losses
@@ -358,7 +359,7 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   assert again["fine_tuning"] == start
 
 
-def test_llama_lora_and_init_from_flags_are_checked_first(llama, common, capsys, tmp_path):
+def test_llama_lora_and_init_from_flags_are_checked_first(llama, capsys, tmp_path):
   def refused(*flags: str) -> str:
     with pytest.raises(SystemExit) as exit:
       llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "out"), *flags])
@@ -381,7 +382,7 @@ def test_llama_lora_and_init_from_flags_are_checked_first(llama, common, capsys,
   assert "is this run's --out" in refused("--init-from", str(tmp_path / "out"))
   args = llama.cli.parse(["--preset", "tiny", "--out", str(run)])
   meta = {"config": llama.checkpoints.run_config(args, llama.presets.resolve(args))}
-  common.Checkpoints(run / "checkpoints").save(12, *_state(1.0), {**meta, "losses": [1.0] * 12})
+  checkpoints_lib.Checkpoints(run / "checkpoints").save(12, *_state(1.0), {**meta, "losses": [1.0] * 12})
   assert ("--init-from loads params of another model or layout than this run's: --untied "
           f"True (the run in {run}: False), --flat False (the run in {run}: True)") in refused(
               "--init-from", str(run), "--untied", "--no-flat")
@@ -419,7 +420,7 @@ def test_llama_tiny_preset_computes_the_golden_numbers(tmp_path, env):
   generated text the example computed before it became a package of modules (ac11c78;
   tests/data/llama/golden.json says how they were recorded)."""
   golden = _golden()
-  _run("llama/train.py", env, "--preset", "tiny", "--out", str(tmp_path))
+  _run("examples.llama.train", env, "--preset", "tiny", "--out", str(tmp_path))
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   assert metrics["losses"] == golden["losses"]  # floats from float32: equal means bitwise
   assert metrics["eval_losses"] == golden["eval_losses"]
@@ -427,8 +428,7 @@ def test_llama_tiny_preset_computes_the_golden_numbers(tmp_path, env):
   assert metrics["generation"]["continuation"] == golden["continuation"]
 
 
-def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llama, common,
-                                                                           capsys, tmp_path,
+def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llama, capsys, tmp_path,
                                                                            env):
   """The step-10 checkpoint of that golden run, as the example at ac11c78 wrote it, resumes
   with --legacy-metadata (its layout, config, vocabulary and array digests are this
@@ -443,23 +443,23 @@ def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llam
     llama.cli.parse(run)
   assert (f"--resume: no checkpoint in {tmp_path / 'checkpoints'} has metadata that can be "
           "checked: step 10 has metadata without its digest") in capsys.readouterr().err
-  step, saved = common.Checkpoints(tmp_path / "checkpoints",
+  step, saved = checkpoints_lib.Checkpoints(tmp_path / "checkpoints",
                                    legacy_metadata=True).latest_meta()
   assert step == 10
   command = [*run, "--legacy-metadata"]
   kept = f"checkpoint step 10 kept ({tmp_path / 'checkpoints' / '10'})"
   for at, where in (("compile", "capture"), ("evaluation@12", "evaluation (step 12)")):
-    line = _interrupted("llama/train.py", env, at, *command)
+    line = _interrupted("examples.llama.train", env, at, *command)
     assert line.startswith(f"interrupted (Ctrl-C) during {where}: {kept}; continue with: "
                            "python "), line
     assert line.endswith(shlex.join(command[:-2] + ["--legacy-metadata", "--resume"]))
-  line = _interrupted("llama/train.py", env, "save@12", *command)  # held until it is written
+  line = _interrupted("examples.llama.train", env, "save@12", *command)  # held until it is written
   assert line.startswith("interrupted (Ctrl-C) during a checkpoint save (step 12): every step "
                          f"is trained, checkpoint step 12 kept ({tmp_path / 'checkpoints' / '12'})"
                          "; nothing is left to train"), line
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "12"]
   assert not (tmp_path / "metrics.json").exists()  # the Ctrl-C came before it
-  out = _run("llama/train.py", env, *command)
+  out = _run("examples.llama.train", env, *command)
   assert f"{tmp_path / 'metrics.json'} was missing: written again from step 12's" in out
   metrics = json.loads((tmp_path / "metrics.json").read_text())
   assert metrics["losses"][:10] == saved["losses"] and len(metrics["losses"]) == 12
@@ -514,7 +514,7 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory,
   the 2-process run do (`test_llama_fsdp_two_processes_agree_with_one` compares them).
   """
   out = tmp_path_factory.mktemp("fsdp8")
-  log = _run("llama/train.py", _cpu_env(env, 8), *FSDP, *_process(0, 1, free_port()),
+  log = _run("examples.llama.train", _cpu_env(env, 8), *FSDP, *_process(0, 1, free_port()),
              "--check", "--rounds", "1", "--round-steps", "2", "--generate", "4", "--out",
              str(out))
   return out, json.loads((out / "metrics.json").read_text()), log
@@ -581,7 +581,7 @@ def test_llama_fsdp_resumes_bitwise(fsdp_run, tmp_path, env):
   parts = tmp_path / "parts"
   shutil.copytree(out, parts)
   shutil.rmtree(parts / "checkpoints" / "12")  # as if stopped after step 10's checkpoint
-  log = _run("llama/train.py", _cpu_env(env, 8), *FSDP, *_process(0, 1, free_port()),
+  log = _run("examples.llama.train", _cpu_env(env, 8), *FSDP, *_process(0, 1, free_port()),
              "--generate", "0", "--out", str(parts), "--resume")
   assert "resumed from step 10" in log  # sharded arrays restored by Orbax, digests verified
   resumed = json.loads((parts / "metrics.json").read_text())
@@ -594,7 +594,7 @@ def test_llama_fsdp_resumes_bitwise(fsdp_run, tmp_path, env):
 def test_llama_fsdp_two_processes_agree_with_one(fsdp_run, tmp_path, env):
   out, metrics, _ = fsdp_run
   port = free_port()
-  logs = run_processes([[sys.executable, str(EXAMPLES / "llama" / "train.py"), *FSDP,
+  logs = run_processes([[sys.executable, "-m", "examples.llama.train", *FSDP,
                          *_process(i, 2, port), "--generate", "2", "--out", str(tmp_path)]
                         for i in range(2)], _cpu_env(env, 4), timeout=300)
   for log in logs:
@@ -632,7 +632,7 @@ def test_llama_fsdp_prefetch_hands_collectives_across_blocks(fsdp_run, tmp_path,
   run's (the gradients are reduced in the gather's bfloat16 there, in float32 on the CPU
   unprefetched: docs/fsdp.md)."""
   _, metrics, _ = fsdp_run
-  log = _run("llama/train.py", _cpu_env(env, 8), *FSDP[:-4], "--steps", "2", "--fsdp", "8",
+  log = _run("examples.llama.train", _cpu_env(env, 8), *FSDP[:-4], "--steps", "2", "--fsdp", "8",
              "--prefetch", "--generate", "0", "--out", str(tmp_path))
   assert "does not trace on the Explicit twin" not in log
   found = json.loads((tmp_path / "metrics.json").read_text())
@@ -645,8 +645,7 @@ def test_llama_fsdp_prefetch_hands_collectives_across_blocks(fsdp_run, tmp_path,
 
 
 def _load(monkeypatch: pytest.MonkeyPatch, name: str, path: pathlib.Path) -> Any:
-  """The example script `path` imported in this process as `name`, its folder on sys.path."""
-  monkeypatch.syspath_prepend(str(path.parent))
+  """The example script `path` run again in this process, as a module named `name`."""
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   monkeypatch.setitem(sys.modules, name, module)  # it defines dataclasses
@@ -660,30 +659,27 @@ MEMORY_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 @pytest.fixture
 def llama(monkeypatch: pytest.MonkeyPatch) -> Any:
   """The Llama example's package, examples/llama/, imported in this process with its train.py
-  (as `llama.train`, which imports every module): `llama.cli.parse`, `llama.layers.split`,
-  `llama.model.Llama`, ..."""
+  (`examples.llama.train`, which imports every module): `llama.cli.parse`,
+  `llama.layers.split`, `llama.model.Llama`, ... Imported afresh by each test."""
   # The example sets the variable where it is unset: put back as it was after the test.
   monkeypatch.setenv(MEMORY_FRACTION, os.environ.get(MEMORY_FRACTION, ""))
   monkeypatch.delenv(MEMORY_FRACTION)
-  monkeypatch.syspath_prepend(str(EXAMPLES))
-  importlib.import_module("llama.train")
-  yield sys.modules["llama"]
-  for name in [name for name in sys.modules if name.partition(".")[0] == "llama"]:
+  importlib.import_module("examples.llama.train")
+  yield sys.modules["examples.llama"]
+  for name in [name for name in sys.modules if name.startswith("examples.llama")]:
     sys.modules.pop(name)
-  sys.modules.pop("common", None)  # the examples' shared module, as the package imported it
 
 
 @pytest.fixture
-def gpt(monkeypatch: pytest.MonkeyPatch) -> Any:
+def gpt() -> Any:
   """examples/train_gpt.py imported in this process."""
-  yield _load(monkeypatch, "train_gpt", EXAMPLES / "train_gpt.py")
-  sys.modules.pop("common", None)
+  return importlib.import_module("examples.train_gpt")
 
 
 @pytest.fixture(params=["gpt", "llama"])
 def example(request: pytest.FixtureRequest) -> Any:
   """Each training example's command line (`parse`), imported in this process (train_gpt.py;
-  the Llama example's cli.py); `sys.modules["common"]` is the examples/common.py it imported."""
+  the Llama example's cli.py)."""
   module = request.getfixturevalue(request.param)
   return module.cli if request.param == "llama" else module
 
@@ -775,12 +771,6 @@ def test_linen_mlp_trains(capsys, monkeypatch):
 # ------------------------------------------------------------- checkpoints, flags, presets
 
 
-@pytest.fixture
-def common(llama: Any) -> Any:
-  """examples/common.py, as the Llama example imported it."""
-  return sys.modules["common"]
-
-
 def _state(value: float) -> tuple[Any, Any, list[tuple[jax.Array, int]]]:
   params = {"w": np.full((64, 64), value, np.float32), "b": np.arange(64, dtype=np.float32)}
   return params, {"count": np.asarray(3, np.int32)}, [(jax.random.key(0), 4)]
@@ -833,17 +823,17 @@ def _meta(step: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
-def test_corrupt_latest_checkpoint_is_named_and_the_previous_restored(common, tmp_path, kind):
-  checkpoints = common.Checkpoints(tmp_path / "checkpoints")
+def test_corrupt_latest_checkpoint_is_named_and_the_previous_restored(tmp_path, kind):
+  checkpoints = checkpoints_lib.Checkpoints(tmp_path / "checkpoints")
   for step in (10, 20):
     checkpoints.save(step, *_state(float(step)), _meta(step))
   _corrupt(kind, tmp_path / "checkpoints" / "20")
   # The look before anything is built reads the newest step whose metadata is whole.
-  latest = common.Checkpoints(tmp_path / "checkpoints").latest_meta()
+  latest = checkpoints_lib.Checkpoints(tmp_path / "checkpoints").latest_meta()
   assert latest[0] == (20 if kind in ("flipped", "truncated", "deleted") else 10)
-  with pytest.warns(common.CheckpointWarning,
+  with pytest.warns(checkpoints_lib.CheckpointWarning,
                     match=r"checkpoint step 20 in .*; resuming from step 10 instead") as found:
-    restored = common.Checkpoints(tmp_path / "checkpoints").restore(*_state(0.0))
+    restored = checkpoints_lib.Checkpoints(tmp_path / "checkpoints").restore(*_state(0.0))
   (warning,) = found
   assert re.search(DAMAGE[kind], str(warning.message))
   assert "bound method" not in str(warning.message)
@@ -851,16 +841,16 @@ def test_corrupt_latest_checkpoint_is_named_and_the_previous_restored(common, tm
   assert np.all(np.asarray(restored.params["w"]) == 10.0)
   assert restored.streams[0][1] == 4
   # The rejected step is out of the way: saving step 20 again works.
-  common.Checkpoints(tmp_path / "checkpoints").save(20, *_state(20.0), _meta(20))
+  checkpoints_lib.Checkpoints(tmp_path / "checkpoints").save(20, *_state(20.0), _meta(20))
   assert (tmp_path / "checkpoints-rejected" / "20").is_dir()
 
 
-def test_a_history_that_does_not_fit_its_step_is_rejected(common, tmp_path):
+def test_a_history_that_does_not_fit_its_step_is_rejected(tmp_path):
   """A loss dropped from a step's metadata: with the metadata's digest, the digest tells;
   in a step saved before metadata digests (none in it), read with --legacy-metadata (else
   refused: `test_corrupt_latest_checkpoint_is_named_and_the_previous_restored`), the count
   of losses does."""
-  checkpoints = common.Checkpoints(tmp_path / "checkpoints", keep=3)
+  checkpoints = checkpoints_lib.Checkpoints(tmp_path / "checkpoints", keep=3)
   for step in (10, 20, 30):
     checkpoints.save(step, *_state(float(step)), _meta(step))
   for step, keep_digest in ((30, True), (20, False)):
@@ -868,10 +858,10 @@ def test_a_history_that_does_not_fit_its_step_is_rejected(common, tmp_path):
     meta = json.loads(path.read_text())
     meta["losses"].pop()
     if not keep_digest:
-      del meta[common.META_DIGEST]
+      del meta[checkpoint_checks.META_DIGEST]
     path.write_text(json.dumps(meta))
-  with pytest.warns(common.CheckpointWarning) as found:
-    restored = common.Checkpoints(tmp_path / "checkpoints",
+  with pytest.warns(checkpoints_lib.CheckpointWarning) as found:
+    restored = checkpoints_lib.Checkpoints(tmp_path / "checkpoints",
                                   legacy_metadata=True).restore(*_state(0.0))
   assert restored.step == 10 and len(restored.meta["losses"]) == 10
   assert [str(w.message).split(";")[0] for w in found] == [
@@ -881,20 +871,20 @@ def test_a_history_that_does_not_fit_its_step_is_rejected(common, tmp_path):
       "losses for its 20 steps"]
 
 
-def test_the_newest_checkpoints_are_kept_as_asked(common, tmp_path):
-  checkpoints = common.Checkpoints.for_run(tmp_path, fresh=False, command="", keep=3)
+def test_the_newest_checkpoints_are_kept_as_asked(tmp_path):
+  checkpoints = checkpoints_lib.Checkpoints.for_run(tmp_path, fresh=False, command="", keep=3)
   for step in (10, 20, 30, 40):
     checkpoints.save(step, *_state(float(step)), _meta(step))
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [20, 30, 40]
   assert checkpoints.kept() == "the newest 3 steps kept: --keep-checkpoints N keeps more"
-  assert common.Checkpoints(tmp_path / "other").kept().startswith("the newest 2 steps kept")
+  assert checkpoints_lib.Checkpoints(tmp_path / "other").kept().startswith("the newest 2 steps kept")
 
 
-def test_no_intact_checkpoint_is_one_error(common, tmp_path):
-  checkpoints = common.Checkpoints(tmp_path / "checkpoints")
+def test_no_intact_checkpoint_is_one_error(tmp_path):
+  checkpoints = checkpoints_lib.Checkpoints(tmp_path / "checkpoints")
   checkpoints.save(10, *_state(1.0), _meta(10))
   _flip_bytes(tmp_path / "checkpoints" / "10")
-  with pytest.raises(common.NoCheckpoint, match=r"restores intact: step 10 ") as found:
+  with pytest.raises(checkpoints_lib.NoCheckpoint, match=r"restores intact: step 10 ") as found:
     checkpoints.restore(*_state(0.0))
   assert "--fresh" not in str(found.value)  # advice is the caller's: --resume's, below
   with pytest.raises(SystemExit, match=r"^--resume: no checkpoint .* start afresh with --fresh "
@@ -903,16 +893,16 @@ def test_no_intact_checkpoint_is_one_error(common, tmp_path):
   assert (tmp_path / "checkpoints" / "10").is_dir()  # left in place: maybe the code is wrong
 
 
-def test_metrics_json_is_written_atomically(common, tmp_path, monkeypatch):
+def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
   path = tmp_path / "metrics.json"
-  common.write_json(path, {"step": 1})
+  records.write_json(path, {"step": 1})
 
   def full_disk(*args: Any, **kwargs: Any) -> None:
     raise OSError(28, "No space left on device")
 
-  monkeypatch.setattr(common.json, "dump", full_disk)
+  monkeypatch.setattr(records.json, "dump", full_disk)
   with pytest.raises(OSError):
-    common.write_json(path, {"step": 2})
+    records.write_json(path, {"step": 2})
   assert json.loads(path.read_text()) == {"step": 1}  # the old file, whole
 
 
@@ -967,11 +957,11 @@ def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):
   assert re.search(message, capsys.readouterr().err)
 
 
-def test_llama_resume_checks_the_checkpoints_step_and_config(llama, common, capsys, tmp_path):
+def test_llama_resume_checks_the_checkpoints_step_and_config(llama, capsys, tmp_path):
   run = ["--preset", "tiny", "--out", str(tmp_path), "--resume"]
   args = llama.cli.parse([*run, "--steps", "40"])  # no checkpoint yet: nothing to compare
   config = llama.checkpoints.run_config(args, llama.presets.resolve(args))
-  common.Checkpoints(tmp_path / "checkpoints").save(30, *_state(1.0), {"config": config})
+  checkpoints_lib.Checkpoints(tmp_path / "checkpoints").save(30, *_state(1.0), {"config": config})
 
   def refused(*flags: str) -> str:
     with pytest.raises(SystemExit):
@@ -998,16 +988,15 @@ def test_llama_resume_checks_the_checkpoints_step_and_config(llama, common, caps
   fsdp_args = llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path / "new"), "--steps",
                                "40", "--fsdp", "1"])
   sharded = llama.checkpoints.run_config(fsdp_args, llama.presets.resolve(fsdp_args))
-  common.Checkpoints(tmp_path / "checkpoints").save(31, *_state(1.0),
+  checkpoints_lib.Checkpoints(tmp_path / "checkpoints").save(31, *_state(1.0),
                                                     {"config": {**sharded, "fsdp": 1}})
   assert ("--fsdp 1 (the checkpoint's run: 1, its flat buffers in the layout before "
           "jg.flat.split's)") in refused(*fsdp_run[len(run):])
-  common.Checkpoints(tmp_path / "checkpoints").save(32, *_state(1.0), {"config": sharded})
+  checkpoints_lib.Checkpoints(tmp_path / "checkpoints").save(32, *_state(1.0), {"config": sharded})
   llama.cli.parse(fsdp_run)  # this layout: the same run
 
 
-def test_llama_resume_reads_verified_metadata_and_stops_a_finished_run_first(llama, common,
-                                                                             capsys, tmp_path):
+def test_llama_resume_reads_verified_metadata_and_stops_a_finished_run_first(llama, capsys, tmp_path):
   """A flipped bit in the newest step's saved seed: its metadata fails its digest, so the
   look before anything is built compares the step before it (which the resume will
   restore), and names the seed that run trained with. An intact step at --steps: nothing
@@ -1016,7 +1005,7 @@ def test_llama_resume_reads_verified_metadata_and_stops_a_finished_run_first(lla
   run = ["--preset", "tiny", "--out", str(tmp_path), "--resume", "--steps", "40"]
   args = llama.cli.parse(run)
   meta = {"config": llama.checkpoints.run_config(args, llama.presets.resolve(args))}
-  checkpoints = common.Checkpoints(tmp_path / "checkpoints")
+  checkpoints = checkpoints_lib.Checkpoints(tmp_path / "checkpoints")
   for step in (30, 40):
     checkpoints.save(step, *_state(float(step)), {**meta, "losses": [1.25] * step})
   _corrupt("meta_seed_bit", tmp_path / "checkpoints" / "40")
@@ -1026,7 +1015,7 @@ def test_llama_resume_reads_verified_metadata_and_stops_a_finished_run_first(lla
   assert llama.cli.parse(run).seed == 0  # step 30's run: resumes (step 40 rejected then)
 
   finished = tmp_path / "finished"
-  common.Checkpoints(finished / "checkpoints").save(40, *_state(1.0),
+  checkpoints_lib.Checkpoints(finished / "checkpoints").save(40, *_state(1.0),
                                                     {**meta, "losses": [1.25] * 40})
   (finished / "metrics.json").write_text("{}")  # damaged: restored from the checkpoint
   finish = f"To train on from its params, start a new run from it: --init-from {finished} " \
@@ -1049,14 +1038,13 @@ def test_llama_resume_reads_verified_metadata_and_stops_a_finished_run_first(lla
 OTHER_SHAPES = """
 import pathlib, sys
 import jax, numpy as np
-sys.path.insert(0, sys.argv[2])
-import common
+from examples.checkpoints import Checkpoints
 out = pathlib.Path(sys.argv[1])
 key = [(jax.random.key(0), 4)]
 for step in (10, 20):
-  common.Checkpoints(out).save(step, {"w": np.ones((64, 64), np.float32), "b": np.ones(64)}, {},
-                               key, {"losses": [1.0] * step})
-common.Checkpoints(out).resume({"w": np.ones((64, 32), np.float32), "b": np.ones(64)}, {}, key)
+  Checkpoints(out).save(step, {"w": np.ones((64, 64), np.float32), "b": np.ones(64)}, {}, key,
+                        {"losses": [1.0] * step})
+Checkpoints(out).resume({"w": np.ones((64, 32), np.float32), "b": np.ones(64)}, {}, key)
 """
 
 
@@ -1064,7 +1052,7 @@ def test_a_resume_of_a_model_of_other_shapes_is_one_message(tmp_path):
   """A resume whose model has other shapes (a width, hidden size or kv heads changed) than
   the one that saved the checkpoints: one line naming the arrays, no TensorStore
   tracebacks (it used to read each array and fail, 12-27 of them printed), nothing moved."""
-  result = subprocess.run([sys.executable, "-c", OTHER_SHAPES, str(tmp_path), str(EXAMPLES)],
+  result = subprocess.run([sys.executable, "-c", OTHER_SHAPES, str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 1 and result.stdout == ""
   (line,) = result.stderr.strip().splitlines()
@@ -1092,12 +1080,12 @@ def _refused(example: Any, capsys: pytest.CaptureFixture, *flags: str) -> str:
 
 
 def test_an_earlier_run_is_refused_and_fresh_moves_it_aside(example, capsys, tmp_path):
-  common, out = sys.modules["common"], tmp_path / "run"
+  out = tmp_path / "run"
   example.parse(["--preset", "tiny", "--out", str(out)])  # nothing there yet
-  checkpoints = common.Checkpoints(out / "checkpoints")
+  checkpoints = checkpoints_lib.Checkpoints(out / "checkpoints")
   for step in (10, 20):
     checkpoints.save(step, *_state(float(step)), {"losses": [1.0] * step})
-  common.write_json(out / "metrics.json", {"step": 20})
+  records.write_json(out / "metrics.json", {"step": 20})
   # The same command again: refused, naming both ways on (it used to delete the checkpoints).
   assert (f"--out {out} holds an earlier run (checkpoints of steps 10, 20; metrics.json): pass "
           f"--resume to continue it, --fresh to start afresh (it is moved to "
@@ -1107,23 +1095,23 @@ def test_an_earlier_run_is_refused_and_fresh_moves_it_aside(example, capsys, tmp
                                         "--fresh")
   assert {p.name for p in out.iterdir()} == {"checkpoints", "metrics.json"}
   args = example.parse(["--preset", "tiny", "--out", str(out), "--fresh"])
-  common.Checkpoints.for_run(args.out, fresh=args.fresh, command="")
+  checkpoints_lib.Checkpoints.for_run(args.out, fresh=args.fresh, command="")
   assert f"the earlier run in {out} moved to {out / 'earlier-1'}" in capsys.readouterr().out
   kept = out / "earlier-1"
   assert {p.name for p in kept.iterdir()} == {"checkpoints", "metrics.json"}
-  restored = common.Checkpoints(kept / "checkpoints").restore(*_state(0.0))
+  restored = checkpoints_lib.Checkpoints(kept / "checkpoints").restore(*_state(0.0))
   assert restored.step == 20 and len(restored.meta["losses"]) == 20  # intact
-  assert common.earlier_run(out) == []
+  assert checkpoints_lib.earlier_run(out) == []
   example.parse(["--preset", "tiny", "--out", str(out)])  # a new run goes on without a flag
-  common.write_json(out / "metrics.json", {"step": 1})
-  common.Checkpoints.for_run(out, fresh=True, command="")
+  records.write_json(out / "metrics.json", {"step": 1})
+  checkpoints_lib.Checkpoints.for_run(out, fresh=True, command="")
   assert (out / "earlier-2" / "metrics.json").is_file()  # the next --fresh: the next folder
 
 
 @pytest.mark.parametrize("case", ["out_is_a_file", "out_under_a_file", "checkpoints_is_a_file",
                                   "out_read_only", "checkpoints_read_only"])
 def test_out_is_checked_before_anything_is_built(example, capsys, monkeypatch, tmp_path, case):
-  common, out = sys.modules["common"], tmp_path / "run"
+  out = tmp_path / "run"
   if case == "out_is_a_file":
     out.write_text("")
     expected = f"--out: {out} is a file, not a directory: pass an --out that is a directory"
@@ -1146,14 +1134,14 @@ def test_out_is_checked_before_anything_is_built(example, capsys, monkeypatch, t
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), dir)
       return real(*args, dir=dir, **kwargs)
 
-    monkeypatch.setattr(common.tempfile, "TemporaryFile", read_only)
+    monkeypatch.setattr(options.tempfile, "TemporaryFile", read_only)
     expected = f"--out: cannot write to {where} (Read-only file system)"
   assert expected in _refused(example, capsys, "--out", str(out))
 
 
-def test_a_failed_save_ends_in_one_message_naming_the_last_step_saved(common, tmp_path,
+def test_a_failed_save_ends_in_one_message_naming_the_last_step_saved(tmp_path,
                                                                       monkeypatch, caplog):
-  checkpoints = common.Checkpoints(tmp_path / "checkpoints", command="python train.py --resume")
+  checkpoints = checkpoints_lib.Checkpoints(tmp_path / "checkpoints", command="python train.py --resume")
   checkpoints.save(10, *_state(1.0), {"losses": []})
 
   def full_disk(step: int, args: Any) -> bool:
@@ -1177,18 +1165,18 @@ def test_a_failed_save_ends_in_one_message_naming_the_last_step_saved(common, tm
   assert not caplog.records  # Orbax's error log held: the message says it
 
 
-def test_a_full_disk_writing_metrics_ends_in_one_message(common, tmp_path, monkeypatch):
+def test_a_full_disk_writing_metrics_ends_in_one_message(tmp_path, monkeypatch):
   path = tmp_path / "metrics.json"
-  checkpoints = common.Checkpoints(tmp_path / "checkpoints", command="python train.py --resume")
+  checkpoints = checkpoints_lib.Checkpoints(tmp_path / "checkpoints", command="python train.py --resume")
   with pytest.raises(SystemExit) as exit, checkpoints.writing(path):
-    common.write_json(path, {"step": 1})  # fine
+    records.write_json(path, {"step": 1})  # fine
     assert json.loads(path.read_text()) == {"step": 1}
 
     def full_disk(*args: Any, **kwargs: Any) -> None:
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(common.json, "dump", full_disk)
-    common.write_json(path, {"step": 2})
+    monkeypatch.setattr(records.json, "dump", full_disk)
+    records.write_json(path, {"step": 2})
   assert exit.value.code == (f"could not write {path}: OSError: [Errno 28] No space left on "
                              "device. No step is saved yet; free space on its disk, continue "
                              "with: python train.py --resume")
@@ -1208,10 +1196,9 @@ def _small_disk(path: pathlib.Path, size: str) -> None:
 FILL_THE_DISK = """
 import pathlib, sys
 import jax, numpy as np
-sys.path.insert(0, sys.argv[2])
-import common
+from examples.checkpoints import Checkpoints
 out = pathlib.Path(sys.argv[1])
-checkpoints = common.Checkpoints(out / "checkpoints", command="python train.py --resume")
+checkpoints = Checkpoints(out / "checkpoints", command="python train.py --resume")
 key = [(jax.random.key(0), 4)]
 checkpoints.save(10, {"w": np.ones((64, 64), np.float32)}, {}, key, {"losses": []})
 noise = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)  # 4 MB
@@ -1223,7 +1210,7 @@ def test_a_full_disk_during_a_save_prints_one_message_and_nothing_else(tmp_path)
   disk = tmp_path / "disk"
   _small_disk(disk, "1m")
   try:
-    result = subprocess.run([sys.executable, "-c", FILL_THE_DISK, str(disk), str(EXAMPLES)],
+    result = subprocess.run([sys.executable, "-c", FILL_THE_DISK, str(disk)], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert (disk / "checkpoints" / "10").is_dir()  # the step before is intact
   finally:
@@ -1251,7 +1238,7 @@ def test_llama_on_a_full_disk_ends_in_one_message(tmp_path, env):
   disk = tmp_path / "disk"
   _small_disk(disk, f"{step_bytes * 3 // 2 // 1024}k")
   try:
-    result = subprocess.run([sys.executable, str(EXAMPLES / "llama" / "train.py"), "--preset",
+    result = subprocess.run([sys.executable, "-m", "examples.llama.train", "--preset",
                              "tiny", "--generate", "0", "--out", str(disk / "run")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert (disk / "run" / "checkpoints" / "10").is_dir()
@@ -1270,12 +1257,11 @@ def test_llama_on_a_full_disk_ends_in_one_message(tmp_path, env):
                                "--resume") + "$", last), last
 
 
-def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(common,
-                                                                           monkeypatch):
+def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(monkeypatch):
   seen = []
   monkeypatch.setattr(sys, "unraisablehook", seen.append)
-  common.quiet_closed_loops()
-  common.quiet_closed_loops()  # once is enough: not wrapped twice
+  checkpoint_checks.quiet_closed_loops()
+  checkpoint_checks.quiet_closed_loops()  # once is enough: not wrapped twice
   hook = sys.unraisablehook
   assert hook.__closure__[0].cell_contents == seen.append
 
@@ -1292,10 +1278,9 @@ def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(comm
   assert seen == [other]
 
 
-def test_ctrl_c_inside_a_write_waits_for_it(common):
+def test_ctrl_c_inside_a_write_waits_for_it():
   """examples/interrupt.py's handler: Ctrl-C inside `held()` (a save, metrics.json) is raised
   when the write is done; elsewhere at once (the runs above: `_interrupted`)."""
-  interrupt = sys.modules["interrupt"]
   written = []
   with pytest.raises(KeyboardInterrupt):
     with interrupt.held():
@@ -1308,37 +1293,36 @@ def test_ctrl_c_inside_a_write_waits_for_it(common):
     interrupt._handler(signal.SIGINT, None)
 
 
-def test_resume_command_continues_the_run(common, monkeypatch):
-  monkeypatch.chdir(ROOT)
-  script = str(EXAMPLES / "llama" / "train.py")
-  assert common.resume_command(script, [
+def test_resume_command_continues_the_run():
+  module = "examples.llama.train"
+  assert options.resume_command(module, [
       "--preset", "tiny", "--stop-after", "5", "--out", "a b", "--fresh"]) == (
-          "python examples/llama/train.py --preset tiny --out 'a b' --resume")
-  assert common.resume_command(script, ["--stop-after=5", "--resume"]) == (
-      "python examples/llama/train.py --resume")
+          "python -m examples.llama.train --preset tiny --out 'a b' --resume")
+  assert options.resume_command(module, ["--stop-after=5", "--resume"]) == (
+      "python -m examples.llama.train --resume")
 
 
-def _documented_runs(page: pathlib.Path, script: str) -> list[list[str]]:
-  """The flags of every command of `page`'s shell blocks that runs `script`, in order."""
+def _documented_runs(page: pathlib.Path, module: str) -> list[list[str]]:
+  """The flags of every command of `page`'s shell blocks that runs `module`, in order."""
   runs, fence = [], None
   for line in page.read_text().replace("\\\n", " ").splitlines():
     if line.startswith("```"):
       fence = None if fence is not None else line[3:] or "text"
     elif fence in ("bash", "sh"):
       words = shlex.split(line, comments=True)
-      runs += [words[i + 1:] for i, word in enumerate(words) if word.endswith(script)]
+      runs += [words[i + 1:] for i, word in enumerate(words) if word == module]
   return runs
 
 
-@pytest.mark.parametrize("page, script, default", [
-    ("docs/quickstart.md", "train_gpt.py", "runs/gpt"),
-    ("docs/llama.md", "llama/train.py", "runs/llama"),
-    ("README.md", "train_gpt.py", "runs/gpt")])
-def test_documented_commands_run_in_order_meet_no_earlier_run(page, script, default):
+@pytest.mark.parametrize("page, module, default", [
+    ("docs/quickstart.md", "examples.train_gpt", "runs/gpt"),
+    ("docs/llama.md", "examples.llama.train", "runs/llama"),
+    ("README.md", "examples.train_gpt", "runs/gpt")])
+def test_documented_commands_run_in_order_meet_no_earlier_run(page, module, default):
   # Each command that starts a run (no --resume, no --fresh) needs an --out no command
   # before it wrote: else it is refused (it used to delete the earlier run's checkpoints).
   used = set()
-  runs = _documented_runs(ROOT / page, script)
+  runs = _documented_runs(ROOT / page, module)
   assert runs, page
   for flags in runs:
     out = flags[flags.index("--out") + 1] if "--out" in flags else default
@@ -1364,18 +1348,17 @@ def test_llama_offload_spellings(llama):
   assert spec("memory=1.5GB").value == 1.5e9 and str(spec("slowdown=5%")) == "slowdown=5.0%"
 
 
-def test_llama_resume_refuses_another_vocabulary(llama, common, capsys, tmp_path):
+def test_llama_resume_refuses_another_vocabulary(llama, capsys, tmp_path):
   """The checkpoint records its vocabulary's digest; --resume compares it with this run's
   (the same flags may mean another tokenizer: another text, e.g. another Python's library).
   Checkpoints from before the record held the fables' characters."""
-  vocabulary = sys.modules["vocabulary"]
   cache = tmp_path / "cache"
   run = ["--preset", "tiny", "--resume", "--steps", "40", "--vocab", "300", "--cache",
          str(cache)]
 
   def save(out: pathlib.Path, args: Any, record: dict[str, Any] | None) -> None:
     meta = {"config": llama.checkpoints.run_config(args, llama.presets.resolve(args))}
-    common.Checkpoints(out / "checkpoints").save(
+    checkpoints_lib.Checkpoints(out / "checkpoints").save(
         30, *_state(1.0), meta if record is None else {**meta, "vocabulary": record})
 
   args = llama.cli.parse([*run, "--out", str(tmp_path / "same")])
@@ -1401,8 +1384,7 @@ def test_llama_resume_refuses_another_vocabulary(llama, common, capsys, tmp_path
   llama.cli.parse(chars)  # the fables' characters: resumes
 
 
-def test_subword_vocabulary_round_trips_and_is_trained_once(common, monkeypatch, tmp_path):
-  vocabulary = sys.modules["vocabulary"]
+def test_subword_vocabulary_round_trips_and_is_trained_once(monkeypatch, tmp_path):
   documents = [vocabulary.FABLES.read_text()[:20_000],
                "def f(x):\n\treturn x ** 2  # naïve — 東京 ✓\n"]
   text = vocabulary.Text.of("test", documents)
@@ -1430,29 +1412,28 @@ def test_subword_vocabulary_round_trips_and_is_trained_once(common, monkeypatch,
     vocabulary.subwords(text, 257, tmp_path)
 
 
-def test_python_stdlib_text_is_the_standard_librarys_sources(common):
-  vocabulary = sys.modules["vocabulary"]
+def test_python_stdlib_text_is_the_standard_librarys_sources():
   text = vocabulary.python_stdlib()
   assert len(text.documents) > 300 and text.characters > 5_000_000
   assert any("class OrderedDict" in d for d in text.documents)  # collections/__init__.py
   assert vocabulary.python_stdlib().digest == text.digest  # the same text, the same digest
 
 
-def test_examples_share_one_progress_bar(common, monkeypatch, capsys):
+def test_examples_share_one_progress_bar(monkeypatch, capsys):
   for script in (EXAMPLES / "train_gpt.py", EXAMPLES / "llama" / "train.py"):
     source = script.read_text()
     assert "progress_bar(" in source and "class tqdm" not in source, script
     assert "def progress(" not in source, script
   import tqdm
 
-  bar = common.progress_bar(range(3, 6), total=5)  # a resumed run: steps 1 and 2 were done
+  bar = progress.progress_bar(range(3, 6), total=5)  # a resumed run: steps 1 and 2 were done
   assert isinstance(bar, tqdm.tqdm) and bar.n == 2
   for step in bar:  # the count moves with the steps, not only when the bar redraws
     assert bar.n == step
   bar.close()
   monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: log lines only
-  bar = common.progress_bar(range(3, 6), total=5)
-  assert isinstance(bar, common.LogLines) and list(bar) == [3, 4, 5]
+  bar = progress.progress_bar(range(3, 6), total=5)
+  assert isinstance(bar, progress.LogLines) and list(bar) == [3, 4, 5]
   bar.set_postfix(loss="1.0")
   bar.write("step 5: loss 1.0")
   assert capsys.readouterr().out == "step 5: loss 1.0\n"
