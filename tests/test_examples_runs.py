@@ -214,8 +214,8 @@ def test_llama_on_a_full_disk_ends_in_one_message(tmp_path, env):
   assert last.startswith(f"could not save checkpoint step 12 in {disk / 'run' / 'checkpoints'}"
                          ": ValueError: RESOURCE_EXHAUSTED: ") and "No space left on device" in last
   assert re.search(re.escape(f"The last step saved is 10 ({disk / 'run' / 'checkpoints' / '10'}"
-                             "); free space on its disk, continue with: python ") + r"\S+"
-                   + re.escape(f"train.py --preset tiny --generate 0 --out {disk / 'run'} "
+                             "); free space on its disk, continue with: python -m examples.")
+                   + re.escape(f"llama.train --preset tiny --generate 0 --out {disk / 'run'} "
                                "--resume") + "$", last), last
 
 
