@@ -124,8 +124,9 @@ class Checkpoints:
   Orbax writes a step into a temporary directory and renames it when complete, so the state
   and the history of a step are there together or not at all. `restore` checks the metadata
   against its digest and every array against the step's digests, and falls back to the
-  previous step when the latest cannot be read or fails a check. A step it skipped is moved out of the way (into
-  `checkpoints-rejected/`): Orbax silently skips saving a step at or below one it holds.
+  previous step when the latest cannot be read or fails a check. A step it skipped is moved
+  out of the way (into `checkpoints-rejected/`): Orbax silently skips saving a step at or
+  below one it holds.
 
   Sharded arrays (FSDP) save and restore as Orbax does them: each process writes its own
   shards, and a restore places every array with the sharding of its target. The digests are

@@ -61,7 +61,6 @@ from jax.sharding import Mesh  # noqa: E402
 
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import fsdp  # noqa: E402
-
 from examples import interrupt  # noqa: E402
 from examples.checkpoints import Checkpoints  # noqa: E402
 from examples.corpus import Corpus  # noqa: E402
@@ -77,7 +76,7 @@ from examples.llama.data import make_corpus, step_batches, vocabulary_record  # 
 from examples.llama.fsdp_report import fsdp_report  # noqa: E402
 from examples.llama.generation import write_sample  # noqa: E402
 from examples.llama.layers import (RESIDUAL_POLICIES, Layer, Params, build_layers,  # noqa: E402
-                          graphed, split, tied_inputs)
+                                   graphed, split, tied_inputs)
 from examples.llama.memory import peak_bytes, state_bytes  # noqa: E402
 from examples.llama.model import Config, Llama  # noqa: E402
 from examples.llama.offload import OffloadChoice, plan_offload  # noqa: E402
