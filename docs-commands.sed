@@ -1,7 +1,8 @@
 # The examples and benchmarks run as modules from the repository root (`python -m
 # examples.llama.train`, `python -m benchmarks.bench`); this rewrites the older commands
-# (`PYTHONPATH=. python examples/llama/train.py`) in docs/*.md and docs/results/*.md:
-#   sed -E -i -f docs-commands.sed docs/*.md docs/results/*.md
+# (`PYTHONPATH=. python examples/llama/train.py`) in docs/*.md, and tests/test_examples.py's
+# tests in the files it was split into. From the repository root:
+#   sed -E -i -f docs-commands.sed docs/*.md $(ls docs/results/*.md 2>/dev/null)
 # Recorded outputs (docs/results/*.txt, *.json) keep the command as it was run.
 
 # A command split after `PYTHONPATH=. \`: the variable goes, the continuation stays.
