@@ -7,8 +7,8 @@ once more alone for its cold capture time and peak device memory, and the captur
 12 layers, and 12 layers again from a warm persistent compilation cache. Prints a table,
 writes `bench.json` and `bench.png` to `--out`.
 
-  PYTHONPATH=. python3 benchmarks/bench.py --sizes small medium --out /tmp/bench
-  PYTHONPATH=. python3 benchmarks/bench.py --tiny --out /tmp/bench   # tiny sizes, any backend
+  python3 -m benchmarks.bench --sizes small medium --out /tmp/bench
+  python3 -m benchmarks.bench --tiny --out /tmp/bench   # tiny sizes, any backend
 
 Variants (step = forward + loss gradient + backward + SGD update). A name is a base and any
 of the modifiers after it, in any order (`jaxgraph-fuse-flat-recompute`):
@@ -355,7 +355,7 @@ def _subprocess(args: list[str], env: dict[str, str] | None = None) -> list[dict
 
 
 def run_probe(config: dict[str, Any]) -> dict[str, Any]:
-  [result] = _subprocess([os.path.abspath(__file__), "--probe", json.dumps(config)])
+  [result] = _subprocess(["-m", "benchmarks.bench", "--probe", json.dumps(config)])
   return result
 
 
@@ -452,7 +452,7 @@ def main() -> None:
       parser.error(str(e))
   # This process never touches the device: each measurement runs in a process of its own,
   # so that none of them finds the GPU's memory held by another.
-  lines = _subprocess([os.path.abspath(__file__), "--timing", json.dumps(dict(
+  lines = _subprocess(["-m", "benchmarks.bench", "--timing", json.dumps(dict(
       sizes=args.sizes, variants=jax_names, attention=args.attention, iters=args.iters,
       reps=args.reps))])
   meta = dict(lines[0]["meta"], command=" ".join(sys.argv), iters=args.iters, reps=args.reps,

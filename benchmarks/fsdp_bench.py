@@ -15,9 +15,9 @@ backward bytes and the jit step's. What to look for: a graphed peak at most shar
 Time: one process builds both and alternates them, `--reps` rounds of `--iters` steps;
 median per step.
 
-  PYTHONPATH=. python3 benchmarks/fsdp_bench.py --out /tmp/fsdp                 # 2 GPUs
+  python3 -m benchmarks.fsdp_bench --out /tmp/fsdp                 # 2 GPUs
   XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
-      PYTHONPATH=. python3 benchmarks/fsdp_bench.py --tiny --out /tmp/fsdp        # CPU smoke run
+      python3 -m benchmarks.fsdp_bench --tiny --out /tmp/fsdp        # CPU smoke run
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ import statistics
 from typing import Any, Callable
 
 import jax
+import pathlib
 import jax.numpy as jnp
 
 import jaxgraph as jg
 from benchmarks import gpt, harness
+from examples.records import write_json
 from jaxgraph import _capture as capture_lib
 from jaxgraph import fsdp
 
@@ -122,10 +124,7 @@ def measure_memory(size: gpt.Size, variant: str, attention: str | None) -> dict[
       kind="memory", variant=variant, devices=jax.device_count(), analysis=setup.analysis,
       sharded_weight_bytes=_nbytes(params, per_device=True),
       gathered_layer_bytes=_nbytes(one_layer, per_device=False))
-  if before is not None:
-    result.update(bytes_in_use_before=before["bytes_in_use"],
-                  peak_after_capture=after_capture["peak_bytes_in_use"],
-                  peak_after_steps=after_steps["peak_bytes_in_use"])
+  result.update(harness.memory_record(before, after_steps, after_capture=after_capture))
   return result
 
 
@@ -172,13 +171,14 @@ def main() -> None:
   size = gpt.SIZES[args.size]
   attention = harness.attention(args.attention)
   results = harness.drive(
-      __file__, args, size, lambda v: measure_memory(size, v, attention),
+      "benchmarks.fsdp_bench", args, size, lambda v: measure_memory(size, v, attention),
       lambda: measure_time(size, args.variants, attention, args.iters, args.reps),
       show=lambda result: json.dumps(result)[:2000])
   if results is None:
     return
   results["table"] = report(results)
-  harness.write_json(args.out, "fsdp_bench.json", results)
+  if args.out:
+    write_json(pathlib.Path(args.out) / "fsdp_bench.json", results, indent=1)
   print(f"{results['devices']} x {results['device']}, jax {results['jax']}, size {size}")
   print(results["table"])
 

@@ -36,12 +36,28 @@ def machine() -> dict[str, Any]:
 
 
 def device_memory() -> dict[str, int] | None:
-  """`bytes_in_use` and `peak_bytes_in_use`, the largest over the local devices; None on
-  backends without memory stats (CPU)."""
+  """`bytes_in_use` and `peak_bytes_in_use`, the largest over the local devices (on one
+  device, its own); None on backends without memory stats (CPU)."""
   stats = [d.memory_stats() for d in jax.local_devices()]
   if not all(stats):
     return None
   return {k: max(int(s[k]) for s in stats) for k in ("bytes_in_use", "peak_bytes_in_use")}
+
+
+def memory_record(before: dict[str, int] | None, after_steps: dict[str, int] | None, *,
+                  after_capture: dict[str, int] | None = None) -> dict[str, int]:
+  """A result's memory fields from `device_memory` read before a variant is built, after its
+  capture (optional) and after its steps: `bytes_in_use_before`, `peak_after_capture`,
+  `peak_after_steps` and `activation_peak` (the steps' peak above what was in use before);
+  empty on backends without memory stats."""
+  if before is None or after_steps is None:
+    return {}
+  record = {"bytes_in_use_before": before["bytes_in_use"]}
+  if after_capture is not None:
+    record["peak_after_capture"] = after_capture["peak_bytes_in_use"]
+  record["peak_after_steps"] = after_steps["peak_bytes_in_use"]
+  record["activation_peak"] = after_steps["peak_bytes_in_use"] - before["bytes_in_use"]
+  return record
 
 
 def interleaved(rounds: int, runs: Mapping[str, Callable[[], T]]) -> dict[str, list[T]]:
@@ -134,11 +150,11 @@ def parse_args(description: str, variants: Sequence[str], json_name: str) -> arg
   return parsed(argument_parser(description, variants, json_name))
 
 
-def run_child(script: str, args: list[str], timeout: float) -> dict[str, Any]:
-  """Runs `script` with `args` in a fresh process (fresh peak memory); returns the last JSON
-  line it printed, or the error."""
+def run_child(module: str, args: list[str], timeout: float) -> dict[str, Any]:
+  """Runs `python -m module` with `args` in a fresh process (fresh peak memory) where this
+  one runs (the repository root); returns the last JSON line it printed, or the error."""
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  out = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True,
+  out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
                        text=True, env=env, timeout=timeout)
   lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
   if out.returncode != 0 or not lines:
@@ -146,7 +162,7 @@ def run_child(script: str, args: list[str], timeout: float) -> dict[str, Any]:
   return json.loads(lines[-1])
 
 
-def drive(script: str, args: argparse.Namespace, size: Any,
+def drive(module: str, args: argparse.Namespace, size: Any,
           measure_memory: Callable[[str], dict[str, Any]],
           measure_time: Callable[[], dict[str, Any]],
           show: Callable[[dict[str, Any]], str]) -> dict[str, Any] | None:
@@ -168,18 +184,10 @@ def drive(script: str, args: argparse.Namespace, size: Any,
       xla_flags=os.environ.get("XLA_FLAGS", ""), memory=[])
   for v in args.variants:
     results["memory"].append(
-        run_child(script, ["--child", "memory", "--variants", v, *common], 600))
+        run_child(module, ["--child", "memory", "--variants", v, *common], 600))
     print(show(results["memory"][-1]), flush=True)
   results["time"] = run_child(
-      script, ["--child", "time", "--variants", *args.variants, "--iters", str(args.iters),
+      module, ["--child", "time", "--variants", *args.variants, "--iters", str(args.iters),
                "--reps", str(args.reps), *common], 900)
   print(show(results["time"]), flush=True)
   return results
-
-
-def write_json(folder: str | None, name: str, results: dict[str, Any]) -> None:
-  """Writes `results` to `folder/name` when a folder was given."""
-  if folder:
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, name), "w") as f:
-      json.dump(results, f, indent=1)

@@ -1,9 +1,9 @@
 """FSDP on several GPUs: the Llama example's graphed step against its sharded whole-step jit.
 
-  PYTHONPATH=. python3 benchmarks/llama_fsdp.py --rows gpu-1b:1 gpu-1b:2 gpu-1b:4 gpu:1 gpu:4 \\
+  python3 -m benchmarks.llama_fsdp --rows gpu-1b:1 gpu-1b:2 gpu-1b:4 gpu:1 gpu:4 \\
       'gpu-1b:4:--fuse 4' --per-process --trace --record docs/results/fsdp-gpu.txt \\
       --out /tmp/fsdp                                                              # 4 GPUs
-  JAX_PLATFORMS=cpu PYTHONPATH=. python3 benchmarks/llama_fsdp.py --rows tiny:1 tiny:2 \\
+  JAX_PLATFORMS=cpu python3 -m benchmarks.llama_fsdp --rows tiny:1 tiny:2 \\
       --per-process --rounds 1 --round-steps 1 --out /tmp/fsdp     # CPU smoke: N virtual devices
 
 A row `PRESET:N[:FLAGS]` is the example's preset weak-scaled to N devices: its batch times N,
@@ -57,18 +57,17 @@ from typing import Any, Sequence
 
 import jax
 
+from benchmarks import profiling
+from examples.llama import train
+from examples.llama.data import step_batches
+from examples.llama.fsdp_report import collectives, named_executables
+from examples.llama.layers import RESIDUAL_POLICIES
+from examples.llama.memory import peak_bytes
+from examples.llama.presets import PRESETS
+from examples.llama.throughput import rate_summary, throughput_rounds
+from examples.llama.whole_step import WholeStep
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
-from benchmarks import profiling  # noqa: E402
-from llama import train  # noqa: E402
-from llama.data import step_batches  # noqa: E402
-from llama.fsdp_report import collectives, named_executables  # noqa: E402
-from llama.layers import RESIDUAL_POLICIES  # noqa: E402
-from llama.memory import peak_bytes  # noqa: E402
-from llama.presets import PRESETS  # noqa: E402
-from llama.throughput import rate_summary, throughput_rounds  # noqa: E402
-from llama.whole_step import WholeStep  # noqa: E402
 
 def planned_peak(compiled: Any) -> int:
   """Bytes per device an executable holds while it runs, as XLA planned them."""
@@ -200,7 +199,7 @@ def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Na
   with tempfile.TemporaryDirectory() as scratch:
     scratch = pathlib.Path(scratch)
     result_path = scratch / "result.json"
-    base = [sys.executable, __file__, "--child", str(result_path),
+    base = [sys.executable, "-m", "benchmarks.llama_fsdp", "--child", str(result_path),
             *(["--trace", "--trace-steps", str(options.trace_steps)] if options.trace else []),
             *(["--out", str(options.out / f"{preset}-{n}x{processes}{_slug(flags)}")]
               if options.out else []),
@@ -413,7 +412,7 @@ def main() -> None:
       options.out.mkdir(parents=True, exist_ok=True)
       (options.out / "llama_fsdp.json").write_text(json.dumps(rows, indent=1))
     if options.record is not None:
-      command = "PYTHONPATH=. python3 benchmarks/llama_fsdp.py " + shlex.join(sys.argv[1:])
+      command = "python -m benchmarks.llama_fsdp " + shlex.join(sys.argv[1:])
       options.record.write_text("\n".join(record_lines(rows, command, options.commit)) + "\n")
   print(table(rows))
   print(json.dumps(rows))

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning in the Llama example: tokens/s and peak memory from one start.
 
-  PYTHONPATH=. python3 benchmarks/llama_lora.py --preset gpu --out /tmp/llama-lora   # one GPU
-  PYTHONPATH=. python3 benchmarks/llama_lora.py --preset tiny --base-steps 10 --steps 9 \\
+  python3 -m benchmarks.llama_lora --preset gpu --out /tmp/llama-lora   # one GPU
+  python3 -m benchmarks.llama_lora --preset tiny --base-steps 10 --steps 9 \\
       --repeats 1 --out /tmp/ll                                                # CPU smoke run
 
 First a base run (`examples/llama/train.py --preset P --steps BASE`), then `--repeats` pairs
@@ -31,17 +31,16 @@ import sys
 import time
 from typing import Any
 
+from examples.llama.presets import PRESETS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "llama" / "train.py"
-sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package
-from llama.presets import PRESETS  # noqa: E402
 VARIANTS = ("full", "lora")
 
 
 def train(args: argparse.Namespace, out: pathlib.Path, *flags: str) -> dict[str, Any]:
   """One run of the example into `out`; its metrics.json, with the command and wall time."""
-  command = [sys.executable, str(TRAIN), "--preset", args.preset, "--no-check", "--generate",
-             "0", "--cache", str(args.cache), "--out", str(out), *flags]
+  command = [sys.executable, "-m", "examples.llama.train", "--preset", args.preset, "--no-check",
+             "--generate", "0", "--cache", str(args.cache), "--out", str(out), *flags]
   begin = time.perf_counter()
   done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                         capture_output=True, text=True, check=False)

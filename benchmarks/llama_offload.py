@@ -1,8 +1,8 @@
 """Residual offload in the Llama example's training step: activation memory and tokens/s.
 
-  PYTHONPATH=. python3 benchmarks/llama_offload.py --preset gpu-1b --context 8192 --batch 2 \
+  python3 -m benchmarks.llama_offload --preset gpu-1b --context 8192 --batch 2 \
       --out /tmp/llama-offload                                   # one GPU
-  PYTHONPATH=. python3 benchmarks/llama_offload.py --preset tiny --out /tmp/lo   # CPU smoke run
+  python3 -m benchmarks.llama_offload --preset tiny --out /tmp/lo   # CPU smoke run
 
 Each variant (an `--offload` of examples/llama/train.py: by default none, slowdown=5% and
 all) runs alone in a fresh process, as peak_bytes_in_use only grows. It builds the
@@ -42,24 +42,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
-import jaxgraph as jg  # noqa: E402
-from common import write_json  # noqa: E402
-from llama.data import make_corpus, step_batches, vocabulary_record  # noqa: E402
-from llama.layers import RESIDUAL_POLICIES, build_layers, split, tied_inputs  # noqa: E402
-from llama.model import Llama  # noqa: E402
-from llama.offload import offload_spec, plan_offload  # noqa: E402
-from llama.presets import PRESETS, Preset, model_config  # noqa: E402
-from llama.trainer import Trainer, flat_group, optimizer  # noqa: E402
+import jaxgraph as jg
+from benchmarks import harness
+from examples.llama.data import make_corpus, step_batches, vocabulary_record
+from examples.llama.layers import RESIDUAL_POLICIES, build_layers, split, tied_inputs
+from examples.llama.model import Llama
+from examples.llama.offload import offload_spec, plan_offload
+from examples.llama.presets import PRESETS, Preset, model_config
+from examples.llama.trainer import Trainer, flat_group, optimizer
+from examples.records import write_json
 
 VARIANTS = ("none", "slowdown=5%", "all")
-
-
-def device_memory() -> dict[str, int] | None:
-  """bytes_in_use and peak_bytes_in_use of the default device; None where it keeps none."""
-  stats = jax.devices()[0].memory_stats()
-  return None if not stats else {k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use")}
 
 
 def preset_of(args: argparse.Namespace) -> Preset:
@@ -100,7 +93,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
   trainer = Trainer(layers, config, tx, preset.microbatches, *state)
   capture_seconds = time.perf_counter() - begin - plan_seconds
   blocks = layers[1:-1]
-  before = device_memory()
+  before = harness.device_memory()
   done = 0
 
   def steps(count: int) -> None:
@@ -118,7 +111,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     start = time.perf_counter()
     steps(args.round_steps)
     rates.append(args.round_steps * tokens_per_step / (time.perf_counter() - start))
-  after = device_memory()
+  after = harness.device_memory()
   result: dict[str, Any] = {
       "variant": variant, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
       "preset": args.preset, "context": preset.context,
@@ -133,10 +126,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
       "residual_bytes": sum(b.stats.residual_bytes for b in blocks),
       "offload_bytes": sum(b.stats.offload_bytes for b in blocks),
       "offload": None if choice is None else choice.summary()}
-  if before is not None:
-    result.update(bytes_in_use_before=before["bytes_in_use"],
-                  peak_bytes=after["peak_bytes_in_use"],
-                  activation_peak=after["peak_bytes_in_use"] - before["bytes_in_use"])
+  result.update(harness.memory_record(before, after))
   return result
 
 
@@ -204,7 +194,7 @@ def main() -> None:
     if time.perf_counter() - start > args.deadline:
       found["variants"][variant] = {"variant": variant, "error": "skipped: past --deadline"}
       continue
-    command = [sys.executable, __file__, *sys.argv[1:], "--child", variant]
+    command = [sys.executable, "-m", "benchmarks.llama_offload", *sys.argv[1:], "--child", variant]
     run = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = run.stdout.splitlines()
     print("\n".join(line for line in lines if not line.startswith("RESULT ")), flush=True)

@@ -15,8 +15,8 @@ cuBLAS calls).
 The host enqueues one backward executable per layer (tens of microseconds each) while the
 device runs them, so at the default sizes the time measured is the device's.
 
-  PYTHONPATH=. python benchmarks/lora_bench.py --out /tmp/lora   # d=2048, rank 16, 12 layers, bf16
-  PYTHONPATH=. python benchmarks/lora_bench.py --tiny            # CPU smoke run
+  python -m benchmarks.lora_bench --out /tmp/lora   # d=2048, rank 16, 12 layers, bf16
+  python -m benchmarks.lora_bench --tiny            # CPU smoke run
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ import time
 from typing import Any
 
 import jax
+import pathlib
 import jax.numpy as jnp
 
 import jaxgraph as jg
 from benchmarks import harness
+from examples.records import write_json
 
 VARIANTS = ("full", "lora")
 
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
   result = run(args)
   print(table(result))
   print(json.dumps(result))
-  harness.write_json(args.out, "lora_bench.json", result)
+  if args.out:
+    write_json(pathlib.Path(args.out) / "lora_bench.json", result, indent=1)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ bitwise across the jaxgraph variants (needs XLA_FLAGS=--xla_gpu_deterministic_op
 this model). A variant that fails is reported and skipped; `--deadline` seconds after the
 start, the parent skips the steps left.
 
-  PYTHONPATH=. python3 benchmarks/offload_bench.py --out /tmp/offload          # one GPU
-  PYTHONPATH=. python3 benchmarks/offload_bench.py --tiny --out /tmp/offload   # CPU smoke run
+  python3 -m benchmarks.offload_bench --out /tmp/offload          # one GPU
+  python3 -m benchmarks.offload_bench --tiny --out /tmp/offload   # CPU smoke run
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -54,11 +53,12 @@ from typing import Any
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # several memory children
 
 import jax
+import pathlib
 import jax.numpy as jnp
-import numpy as np
 
 import jaxgraph as jg
 from benchmarks import gpt, harness, profiling
+from examples.records import arrays_sha256, write_json
 from jaxgraph import offload as offload_lib
 
 VARIANTS = ("none", "exe-all", "async-all", "async-but-2", "async-plan", "async-names",
@@ -141,13 +141,6 @@ def build(args: argparse.Namespace, size: gpt.Size, name: str, prepared: tuple[A
   return Setup(layers, params, x0, split, head)
 
 
-def grads_digest(grads: Any) -> str:
-  digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(grads):
-    digest.update(np.asarray(leaf).tobytes())
-  return digest.hexdigest()
-
-
 # ---------------------------------------------------------------------------- child: plan
 
 
@@ -203,7 +196,7 @@ def measure_memory(args: argparse.Namespace, size: gpt.Size, name: str) -> dict[
   setup = build(args, size, name, prepared, warmup=0)
   after_capture = harness.device_memory()
   grads = setup.step(0)
-  digest = grads_digest(grads)
+  digest = arrays_sha256(grads)
   del grads
   jax.block_until_ready(setup.step(1))
   after_steps = harness.device_memory()
@@ -211,11 +204,7 @@ def measure_memory(args: argparse.Namespace, size: gpt.Size, name: str) -> dict[
       kind="memory", variant=name, grads_sha256=digest,
       residual_bytes=setup.layers[0].stats.residual_bytes,
       offload_bytes=[layer.stats.offload_bytes for layer in setup.layers])
-  if before is not None:
-    result.update(bytes_in_use_before=before["bytes_in_use"],
-                  peak_after_capture=after_capture["peak_bytes_in_use"],
-                  peak_after_steps=after_steps["peak_bytes_in_use"],
-                  activation_peak=after_steps["peak_bytes_in_use"] - before["bytes_in_use"])
+  result.update(harness.memory_record(before, after_steps, after_capture=after_capture))
   return result
 
 
@@ -234,11 +223,11 @@ def measure_time(args: argparse.Namespace, size: gpt.Size, names: list[str]) -> 
   digests = {}
   for name in list(setups):
     try:
-      digests[name] = grads_digest(setups[name].step(0))
+      digests[name] = arrays_sha256(setups[name].step(0))
     except Exception:
       errors[name] = traceback.format_exc()[-2000:]
       del setups[name]
-  repeat = grads_digest(setups[names[0]].step(0)) if names[0] in setups else None
+  repeat = arrays_sha256(setups[names[0]].step(0)) if names[0] in setups else None
   times = harness.interleaved(args.reps, {
       name: lambda s=setup: harness.seconds_per_step(s.step, args.iters)
       for name, setup in setups.items()})
@@ -347,7 +336,7 @@ def anchor(args: argparse.Namespace, size: gpt.Size, name: str, *,
   grad = jax.jit(jax.grad(loss))
   step = lambda ps, keys: grad(ps, x0, keys)
   start = time.perf_counter()
-  digest = grads_digest(step(params, split(jnp.uint32(0))))  # compiles
+  digest = arrays_sha256(step(params, split(jnp.uint32(0))))  # compiles
   compile_s = time.perf_counter() - start
   rounds = [harness.seconds_per_step(lambda i: step(params, split(jnp.uint32(i))), args.iters)
             for _ in range(1 if memory_only else args.reps)]
@@ -356,10 +345,7 @@ def anchor(args: argparse.Namespace, size: gpt.Size, name: str, *,
                                 grads_sha256=digest)
   if not memory_only:
     result.update(step_s=statistics.median(rounds), step_s_all=rounds)
-  if before is not None:
-    result.update(bytes_in_use_before=before["bytes_in_use"],
-                  peak_after_steps=after["peak_bytes_in_use"],
-                  activation_peak=after["peak_bytes_in_use"] - before["bytes_in_use"])
+  result.update(harness.memory_record(before, after))
   return result
 
 
@@ -395,7 +381,8 @@ def run_child(args: argparse.Namespace, child: str, variants: list[str],
   if left < 20:
     return dict(args=[child, *variants], error="skipped: past --deadline", returncode=None)
   try:
-    return harness.run_child(__file__, child_args(args, child, variants), timeout=left)
+    return harness.run_child("benchmarks.offload_bench", child_args(args, child, variants),
+                             timeout=left)
   except Exception as e:  # a timeout: reported, the parent goes on
     return dict(args=[child, *variants], error=repr(e)[-2000:], returncode=None)
 
@@ -471,7 +458,8 @@ def main() -> None:
       print("memory:", json.dumps(results["memory"][-1])[:600], flush=True)
   results["table"] = report(results)
   results["seconds"] = time.perf_counter() - start
-  harness.write_json(args.out, "offload_bench.json", results)
+  if args.out:
+    write_json(pathlib.Path(args.out) / "offload_bench.json", results, indent=1)
   print(f"{results['device']}, jax {results['jax']}, size {size}, "
         f"remat={results['remat']}, {results['seconds']:.0f} s")
   print(results["table"])

@@ -1,4 +1,4 @@
-"""What the examples' checkpoints (`common.Checkpoints`) check, and the noise of a failed
+"""What the examples' checkpoints (examples/checkpoints.py) check, and the noise of a failed
 Orbax read or write they keep quiet: the digests of the arrays and of the metadata, the
 saved arrays' shapes against a run's, the reason of a failure in one line, and Orbax's
 stray tracebacks and log records after it.

@@ -1,8 +1,8 @@
 """Train an MLP stack with FSDP (jg.fsdp) over all devices, every layer graphed.
 
-  python examples/fsdp_train.py                    # CPU: 8 virtual devices, a few seconds
-  python examples/fsdp_train.py --steps 50 --check # also trains with one whole-step jax.jit
-  python examples/fsdp_train.py --layers 8 --d 256 # on GPUs the mesh spans jax.devices()
+  python -m examples.fsdp_train                    # CPU: 8 virtual devices, a few seconds
+  python -m examples.fsdp_train --steps 50 --check # also trains with one whole-step jax.jit
+  python -m examples.fsdp_train --layers 8 --d 256 # on GPUs the mesh spans jax.devices()
 
 Weights are sharded along the mesh axis "fsdp" (largest divisible dimension; biases and
 norm scales stay replicated), the batch is split over the same axis. Each layer gathers its

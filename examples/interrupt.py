@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator
 
-from progress import close_bars
+from examples.progress import close_bars
 
 # What each `point` is called in the last line.
 PHASES = {
@@ -53,7 +53,7 @@ class _Run:
   rerun = ""  # the command as given: starts it again where --fresh has not moved a run yet
   directory: pathlib.Path | None = None  # its checkpoints' folder, before they are opened
   fresh = False
-  checkpoints: Any = None  # the run's common.Checkpoints: its `saved` step and `directory`
+  checkpoints: Any = None  # the run's Checkpoints (checkpoints.py): its `saved` step, `directory`
   last_step: int | None = None  # the run's last step: a checkpoint there leaves nothing to train
   holding = 0  # depth of `held()`
   pending = False  # a Ctrl-C arrived inside `held()`

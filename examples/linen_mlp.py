@@ -1,7 +1,7 @@
 """A Flax Linen MLP graphed per layer and trained with Optax on a synthetic spiral.
 
-  python examples/linen_mlp.py                 # a few seconds on a CPU
-  python examples/linen_mlp.py --steps 50
+  python -m examples.linen_mlp                 # a few seconds on a CPU
+  python -m examples.linen_mlp --steps 50
 
 Each layer (input projection, residual dropout blocks, classifier + loss) is turned into a
 pure function by `jaxgraph.flax.linen_layer` and captured by one `jaxgraph.make_graphed`

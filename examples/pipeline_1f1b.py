@@ -2,7 +2,7 @@
 
 On CPU it asks XLA for 2 host devices, so it runs anywhere in a few seconds:
 
-  python examples/pipeline_1f1b.py [--zero-bubble] [--compare]
+  python -m examples.pipeline_1f1b [--zero-bubble] [--compare]
 
 Each stage is a chunk of identical layers; they compile once per device (a signature
 includes the device). The order is the two ranks' 1F1B orders merged into one for a single

@@ -1,17 +1,17 @@
 """Train a small character-level GPT (Flax NNX, Optax AdamW) with every layer graphed.
 
-  python examples/train_gpt.py                        # CPU default: a few minutes on 2 cores
-  python examples/train_gpt.py --preset gpu --out runs/gpt-gpu   # a larger model on one GPU
-  python examples/train_gpt.py --preset tiny --steps 20 --out /tmp/gpt    # seconds
-  python examples/train_gpt.py --stop-after 300 --out runs/gpt-300   # "interrupted" ...
-  python examples/train_gpt.py --out runs/gpt-300 --resume  # ... continues bitwise identically
-  python examples/train_gpt.py --check --fresh        # a new run in runs/gpt, + one jax.jit
+  python -m examples.train_gpt                        # CPU default: a few minutes on 2 cores
+  python -m examples.train_gpt --preset gpu --out runs/gpt-gpu   # a larger model on one GPU
+  python -m examples.train_gpt --preset tiny --steps 20 --out /tmp/gpt    # seconds
+  python -m examples.train_gpt --stop-after 300 --out runs/gpt-300   # "interrupted" ...
+  python -m examples.train_gpt --out runs/gpt-300 --resume  # ... continues bitwise identically
+  python -m examples.train_gpt --check --fresh        # a new run in runs/gpt, + one jax.jit
 
 The model is split into layers (embedding, N transformer blocks, head + loss), each turned
 into a pure function by `jaxgraph.flax.nnx_layer` and captured by one `jaxgraph.make_graphed`
 call: identical blocks compile once, dropout draws from each layer's own key stream, and a
 replay-time hook times every layer's forward and backward on the logged steps. Checkpoints
-(Orbax, examples/common.py) hold the params, the optimizer state, each layer's key stream
+(Orbax, examples/checkpoints.py) hold the params, the optimizer state, each layer's key stream
 position, the loss history and a digest of every array, so a resumed run continues exactly
 where the interrupted one stopped, from the newest checkpoint that is intact. Progress: a
 tqdm bar (log lines without tqdm). Outputs in `--out`: `loss.png`, `metrics.json`,
@@ -43,13 +43,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-import interrupt
 import jaxgraph as jg
 import jaxgraph.flax as jgf
-import vocabulary as vocab_lib
-from common import (Checkpoints, Corpus, Streams, check_out, check_resume, check_steps,
-                    given_command, params_digest, plot, progress_bar, resume_command,
-                    run_parser, stream_keys, stream_positions, write_json)
+from examples import interrupt
+from examples import vocabulary as vocab_lib
+from examples.checkpoints import Checkpoints, Streams, stream_keys, stream_positions
+from examples.corpus import Corpus
+from examples.options import (check_out, check_resume, check_steps, given_command,
+                               resume_command, run_parser)
+from examples.plotting import plot
+from examples.progress import progress_bar
+from examples.records import arrays_sha256, write_json
 Params = list[nnx.State]  # one state per layer: embedding, blocks, head
 
 
@@ -326,7 +330,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse(argv)
-  command = resume_command(__file__, sys.argv[1:] if argv is None else argv)
+  command = resume_command("examples.train_gpt", sys.argv[1:] if argv is None else argv)
   interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
   preset = PRESETS[args.preset]
   total = args.steps or preset.steps
@@ -429,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "preset": args.preset, "step": stop, "losses": losses, "final_loss": losses[-1],
       "train_seconds": round(seconds, 3), "capture_seconds": round(capture_seconds, 3),
       "tokens_per_second": round(run_steps * tokens_per_step / seconds, 1) if seconds else None,
-      "params_sha256": params_digest(params),
+      "params_sha256": arrays_sha256(params),
       "layer_ms": timer.table(names),
       "stats": {name: layer.stats._asdict() for name, layer in zip(names, layers)},
   }
@@ -471,5 +475,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  interrupt.run(main, sys.argv[1:], command=resume_command(__file__, sys.argv[1:]),
-                rerun=given_command(__file__, sys.argv[1:]))
+  interrupt.run(main, sys.argv[1:], command=resume_command("examples.train_gpt", sys.argv[1:]),
+                rerun=given_command("examples.train_gpt", sys.argv[1:]))

@@ -6,8 +6,9 @@ tests/test_multiprocess.py, once per process, under `jax.distributed.initialize`
   python tests/fsdp_worker.py --process-id 0 --num-processes 2 --port 12345 --out r0.npz
 
 The worker writes its losses and the final (gathered) params to `--out`, its shard of a
-typed PRNG key placed over every device (`key_data`), and the same stack trained over flat
-FSDP buffers without and with prefetch across the layers' executables (`flat/`, `prefetch/`).
+typed PRNG key placed over every device (`key_data`), and (unless `--no-flat`) the same
+stack trained over flat FSDP buffers without and with prefetch across the layers'
+executables (`flat/`, `prefetch/`).
 """
 
 from __future__ import annotations
@@ -196,6 +197,8 @@ def main() -> None:
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--steps", type=int, default=STEPS)
+  parser.add_argument("--flat", action=argparse.BooleanOptionalAction, default=True,
+                      help="also train over flat buffers without and with prefetch")
   args = parser.parse_args()
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                              num_processes=args.num_processes, process_id=args.process_id,
@@ -208,7 +211,7 @@ def main() -> None:
            **first_shards(fsdp.shard(jax.tree.map(jnp.asarray, host_data()[0]), mesh)),
            local_devices=jax.local_device_count(), captures=graphed[0].stats.captures,
            **{f"{i}/{k}": v for i, p in enumerate(params) for k, v in p.items()},
-           **flat_results(mesh, args.steps))
+           **(flat_results(mesh, args.steps) if args.flat else {}))
   jax.distributed.shutdown()
 
 

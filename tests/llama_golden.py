@@ -1,9 +1,9 @@
 """The Llama example's tiny preset as a run recorded earlier computed it: the golden numbers
-tests/test_examples.py compares every later version of the example with.
+tests/test_examples_training.py compares every later version of the example with.
 
 tests/data/llama/golden.json holds, per machine key (`key`: the platform and device, jax and
 jaxlib, the CPU's vector extensions, the precision settings), the losses, held-out losses,
-params digest and generated text of `python examples/llama/train.py --preset tiny`; and
+params digest and generated text of `python -m examples.llama.train --preset tiny`; and
 tests/data/llama/checkpoints/10 is the step-10 checkpoint of the same run (Orbax, 0.3 MB),
 which a later version must resume. How they were made, and how to record this machine's
 entry: the file's "made" and "record" lines.

@@ -1,6 +1,6 @@
 """Several processes of one `jax.distributed` run on this machine, started by a test.
 
-Used by tests/test_multiprocess.py (tests/fsdp_worker.py) and tests/test_examples.py (the
+Used by tests/test_multiprocess.py (tests/fsdp_worker.py) and tests/test_examples_fsdp.py (the
 Llama example with --coordinator): every process gets the same coordinator address,
 127.0.0.1 and a free port, and the test waits for all of them, bounded.
 """

@@ -25,15 +25,15 @@ SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 @pytest.fixture
 def run_script(compilation_cache_env):
-  """Runs a script under benchmarks/ on the CPU as the README says, from the root, with the
-  run's compilation cache (what an earlier script compiled is not compiled again); `devices`:
-  that many virtual CPU devices (as conftest.py gives the suite 8)."""
-  def run(script, *args, devices=None):
+  """Runs `python -m benchmarks.<name>` on the CPU as the README says, from the root, with
+  the run's compilation cache (what an earlier script compiled is not compiled again);
+  `devices`: that many virtual CPU devices (as conftest.py gives the suite 8)."""
+  def run(name, *args, devices=None):
     flags = SMOKE_XLA_FLAGS + ("" if devices is None else
                                f" --xla_force_host_platform_device_count={devices}")
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=flags,
                **compilation_cache_env)
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
@@ -42,12 +42,8 @@ def run_script(compilation_cache_env):
 
 
 def _module(name):
-  """`benchmarks.<name>`, imported as the scripts import each other (the root on the path)."""
-  sys.path.insert(0, ROOT)
-  try:
-    return importlib.import_module(f"benchmarks.{name}")
-  finally:
-    sys.path.pop(0)
+  """`benchmarks.<name>`, imported as the scripts import each other."""
+  return importlib.import_module(f"benchmarks.{name}")
 
 
 # Every (base, modifier) pair of bench.py's JAX variants, in 11 of its 17 (each variant
@@ -69,7 +65,7 @@ def test_bench_tiny_reports_its_variants(run_script, tmp_path):
     return {(s.base, m) for s in specs for m in s.modifiers} | {(s.base, None) for s in specs}
 
   assert pairs(SMOKE_VARIANTS) == pairs(bench.JAX_VARIANTS)
-  run = run_script("bench.py", "--tiny", "--no-probes", "--iters", "1", "--reps", "1",
+  run = run_script("bench", "--tiny", "--no-probes", "--iters", "1", "--reps", "1",
                    "--out", str(tmp_path), "--variants", *SMOKE_VARIANTS,
                    *bench.TORCH_VARIANTS)
   with open(tmp_path / "bench.json") as f:
@@ -90,7 +86,7 @@ def test_bench_tiny_reports_its_variants(run_script, tmp_path):
 def test_llama_breakdown_tiny_reports_each_part(run_script, tmp_path):
   """benchmarks/probes/llama_breakdown.py follows the Llama example it measures (it builds
   the example's trainer and whole step): it runs at the tiny preset and reports its parts."""
-  run_script("probes/llama_breakdown.py", "--preset", "tiny", "--rounds", "1", "--steps", "1",
+  run_script("probes.llama_breakdown", "--preset", "tiny", "--rounds", "1", "--steps", "1",
              "--variants", "recompute", "--out", str(tmp_path))
   with open(tmp_path / "breakdown.json") as f:
     found = json.load(f)["variants"]["recompute"]
@@ -103,7 +99,7 @@ def test_llama_offload_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/llama_offload.py builds the Llama example's step with its --offload, one
   process per variant, and reports tokens/s, the bytes moved and the plan (no device memory
   statistics on the CPU)."""
-  run = run_script("llama_offload.py", "--preset", "tiny", "--variants", "none", "all",
+  run = run_script("llama_offload", "--preset", "tiny", "--variants", "none", "all",
                    "--warmup", "1", "--rounds", "1", "--round-steps", "1", "--out",
                    str(tmp_path))
   with open(tmp_path / "llama_offload.json") as f:
@@ -120,7 +116,7 @@ def test_llama_offload_tiny_reports_each_variant(run_script, tmp_path):
 def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_path):
   """benchmarks/llama_lora.py trains a base run, then fine-tunes it in full and with LoRA, one
   process each, and reports both runs' tokens/s and what each trained."""
-  run = run_script("llama_lora.py", "--preset", "tiny", "--base-steps", "10", "--steps", "9",
+  run = run_script("llama_lora", "--preset", "tiny", "--base-steps", "10", "--steps", "9",
                    "--repeats", "1", "--rank", "4", "--out", str(tmp_path))
   with open(tmp_path / "llama_lora.json") as f:
     found = json.load(f)
@@ -140,7 +136,7 @@ def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/probes/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT
   and the Llama example, and reports their timings, host costs and executables (no GPU
   trace on the CPU)."""
-  run = run_script("probes/fusion_probe.py", "--tiny", "--out", str(tmp_path))
+  run = run_script("probes.fusion_probe", "--tiny", "--out", str(tmp_path))
   assert "FAILED" not in run.stdout, run.stdout[-4000:]
   with open(tmp_path / "fusion_probe.json") as f:
     records = {(r["model"], r["variant"]): r for r in json.load(f)["records"]}
@@ -160,7 +156,7 @@ def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
 def test_profile_replay_tiny_traces_and_profiles_jaxgraph(run_script, tmp_path):
   """benchmarks/probes/profile_replay.py traces a bench.py variant (the host's events on the
   CPU) and profiles jaxgraph's host side."""
-  run_script("probes/profile_replay.py", "--size", "tiny", "--steps", "1", "--variants",
+  run_script("probes.profile_replay", "--size", "tiny", "--steps", "1", "--variants",
              "jaxgraph", "--out", str(tmp_path))
   with open(tmp_path / "profile.json") as f:
     [result] = json.load(f)["results"]
@@ -174,12 +170,12 @@ def test_native_breakdown_charges_each_sample_to_its_innermost_part(run_script, 
   """benchmarks/probes/native_breakdown.py on collapsed stacks written here: a specific part
   anywhere on the stack wins over the generic ones, which go innermost first."""
   stacks = tmp_path / "native_jaxgraph.txt"
-  stacks.write_text("main;jaxgraph/chain.py:run;Compiled.__call__;xla::Execute;cuGraphLaunch 6\n"
-                    "main;jaxgraph/chain.py:run;Compiled.__call__;xla::Execute 2\n"
-                    "main;jaxgraph/graphed.py:vjp 1\n"
+  stacks.write_text("main;jaxgraph/_chain.py:run;Compiled.__call__;xla::Execute;cuGraphLaunch 6\n"
+                    "main;jaxgraph/_chain.py:run;Compiled.__call__;xla::Execute 2\n"
+                    "main;jaxgraph/_graphed.py:vjp 1\n"
                     "main;loop 1\n")
   (tmp_path / "native_jaxgraph.json").write_text(json.dumps(dict(seconds=0.01, calls=10)))
-  run = run_script("probes/native_breakdown.py", str(stacks))
+  run = run_script("probes.native_breakdown", str(stacks))
   shares = {line[:42].strip(): line[42:].split() for line in run.stdout.splitlines()[1:]
             if "%" in line}
   assert shares["launch (cuGraphLaunch, kernel launch)"] == ["60.0%", "600.0"]
@@ -214,7 +210,7 @@ def test_native_breakdown_splits_a_multi_device_call_and_counts_the_timed_calls_
 def test_host_per_call_reports_the_tree_it_measured(run_script):
   """benchmarks/probes/host_per_call.py times this tree's jaxgraph (the path it names), with
   jaxgraph's default on the CPU: the layers replay one executable, no copies."""
-  run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2")
+  run = run_script("probes.host_per_call", "--layers", "2", "--rounds", "2", "--steps", "2")
   result = json.loads(run.stdout.splitlines()[-1])
   assert os.path.realpath(result["jaxgraph"]) == os.path.realpath(
       os.path.join(ROOT, "jaxgraph", "__init__.py"))
@@ -229,7 +225,7 @@ def test_host_per_call_times_fsdp_over_devices_against_the_bare_executables(run_
   default (`--per-layer-executables on`): jaxgraph's Python alone is timed with stand-ins in
   each layer's copies (the run once failed there: the stand-ins were copied as executables),
   and an XLA option compiles into every executable (`--compiler-option`)."""
-  run = run_script("probes/host_per_call.py", "--layers", "2", "--rounds", "2", "--steps", "2",
+  run = run_script("probes.host_per_call", "--layers", "2", "--rounds", "2", "--steps", "2",
                    "--devices", "2", "--per-layer-executables", "on",
                    "--compiler-option", "xla_cpu_enable_fast_math=false", devices=2)
   result = json.loads(run.stdout.splitlines()[-1])
@@ -289,7 +285,7 @@ def test_default_attention_follows_the_backend(platform_gate, cudnn):
 def test_lora_bench_tiny_reports_both_variants(run_script, tmp_path):
   """benchmarks/lora_bench.py times the backward of a LoRA stack with and without
   `grad_mask`; its masked backward has the two frozen base weights' dW matmuls fewer."""
-  run = run_script("lora_bench.py", "--tiny", "--out", str(tmp_path))
+  run = run_script("lora_bench", "--tiny", "--out", str(tmp_path))
   assert "| lora |" in run.stdout and "lora / full:" in run.stdout
   with open(tmp_path / "lora_bench.json") as f:
     result = json.load(f)
@@ -306,7 +302,7 @@ def test_cpu_collective_deadlock_probe_reports_each_setting(run_script):
   those XLA's runtime aborted in a collective and any other end (one light copy: it
   finishes)."""
   # A copy stuck past --deadline is killed and reported, well before the run's timeout.
-  run = run_script("probes/cpu_collective_deadlock.py", "--processes", "1", "--steps", "3",
+  run = run_script("probes.cpu_collective_deadlock", "--processes", "1", "--steps", "3",
                    "--wait-every", "0", "1", "--deadline", "300")
   result = json.loads(run.stdout.strip().splitlines()[-1])
   assert [r["wait_every"] for r in result["results"]] == [0, 1]
@@ -321,7 +317,7 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   devices, and N of one device each) and writes the record's lines: the facts of the run and
   a row line per row and process layout, with the collectives of each executable."""
   record = tmp_path / "fsdp.txt"
-  run = run_script("llama_fsdp.py", "--rows", "tiny:2", "--per-process", "--rounds", "1",
+  run = run_script("llama_fsdp", "--rows", "tiny:2", "--per-process", "--rounds", "1",
                    "--round-steps", "1", "--out", str(tmp_path), "--record", str(record))
   facts, rows = _module("llama_fsdp").read_record(record.read_text())
   assert list(facts) == ["commit", "device", "jax", "xla_flags", "date", "command"]
@@ -372,7 +368,7 @@ def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
   one jit, per-layer executables and prefetching ones, checks every variant's gradients
   against the whole step's (bitwise on the CPU but per-layer-2's, whose two-layer
   executable rounds otherwise), times them and counts each executable's collectives."""
-  run = run_script("probes/fsdp_prefetch.py", "--tiny", "--out", str(tmp_path), devices=4)
+  run = run_script("probes.fsdp_prefetch", "--tiny", "--out", str(tmp_path), devices=4)
   result = json.loads((tmp_path / "fsdp_prefetch.json").read_text())
   assert result["meta"]["devices"] == 4 and "count=4" in result["meta"]["xla_flags"]
   variants = result["variants"]

@@ -224,10 +224,12 @@ def test_readme_set_up_comes_first_and_names_files_that_exist():
               for line in first.group(1).splitlines()]
   assert "python -m pytest" in commands  # the whole suite, as CI runs it
   quick = [c for c in commands if c.startswith("python -m pytest tests/")]
-  example = [c for c in commands if c.startswith("python examples/")]
+  example = [c for c in commands if c.startswith("python -m examples.")]
   assert quick and example, commands
-  for command in quick + example:
+  for command in quick:
     assert (ROOT / command.split()[-1]).is_file(), command
+  for command in example:  # a module of the repository's root
+    assert (ROOT / (command.split()[-1].replace(".", "/") + ".py")).is_file(), command
   assert first.start() < text.index("## The examples, measured") < text.index("1.194×")
 
 

@@ -15,9 +15,9 @@ next one blocks on that device's semaphore inside the runtime's thread pool, whi
 thread per device on a machine with fewer cores; the devices already in an all-gather wait
 for one that no free thread can start.
 
-  PYTHONPATH=. python3 benchmarks/probes/cpu_collective_deadlock.py --processes 4 \\
+  python3 -m benchmarks.probes.cpu_collective_deadlock --processes 4 \\
       --steps 1500 --wait-every 0 1 0 1                  # 2 cores: some abort, then none
-  PYTHONPATH=. python3 benchmarks/probes/cpu_collective_deadlock.py --processes 1 \\
+  python3 -m benchmarks.probes.cpu_collective_deadlock --processes 1 \\
       --steps 3 --wait-every 0 1                         # smoke run
 """
 

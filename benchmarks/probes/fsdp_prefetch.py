@@ -126,13 +126,13 @@ most. The probe passes no flags of its own: set XLA_FLAGS to compare (the JSON r
 flags in effect). 4 GPUs, default flags, then the latency-hiding scheduler on; the CPU
 smoke run (seconds):
 
-  PYTHONPATH=. python3 benchmarks/probes/fsdp_prefetch.py --trace /tmp/prefetch/trace \\
+  python3 -m benchmarks.probes.fsdp_prefetch --trace /tmp/prefetch/trace \\
       --out /tmp/prefetch
   XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true PYTHONPATH=. \\
-      python3 benchmarks/probes/fsdp_prefetch.py --trace /tmp/prefetch-lhs/trace \\
+      python3 -m benchmarks.probes.fsdp_prefetch --trace /tmp/prefetch-lhs/trace \\
       --out /tmp/prefetch-lhs
   XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu PYTHONPATH=. \\
-      python3 benchmarks/probes/fsdp_prefetch.py --tiny --out /tmp/prefetch
+      python3 -m benchmarks.probes.fsdp_prefetch --tiny --out /tmp/prefetch
 
 The GPU commands use every GPU JAX sees (4 in the measurement docs/fsdp.md compares with;
 CUDA_VISIBLE_DEVICES picks them).
@@ -147,11 +147,13 @@ import json
 import math
 import os
 import re
+import pathlib
 import sys
 import time
 from typing import Any, Callable, Sequence
 
 from benchmarks import harness, profiling
+from examples.records import write_json
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -812,7 +814,8 @@ def main() -> None:
         records[name]["trace"] = trace(variant, args.trace_steps, os.path.join(args.trace, name))
   result["seconds"] = round(time.perf_counter() - begin, 1)
   print(table(records))
-  harness.write_json(args.out, "fsdp_prefetch.json", result)
+  if args.out:
+    write_json(pathlib.Path(args.out) / "fsdp_prefetch.json", result, indent=1)
   if not correct:
     failed = [n for n, r in records.items() if not r["correct"]["ok"]]
     raise SystemExit(f"FAILED: {', '.join(failed)} differ from whole by more than "

@@ -15,9 +15,9 @@ layers replayed per layer and fused (`sequential_vjp(..., fuse=True)`), and repo
   - capture seconds of the variant (parameters, capture, compile and its first step).
 Prints a table, one JSON line per variant, and writes `fusion_probe.json` to `--out`.
 
-  PYTHONPATH=. python3 benchmarks/probes/fusion_probe.py --sizes small medium --llama gpu \
+  python3 -m benchmarks.probes.fusion_probe --sizes small medium --llama gpu \
       --out /tmp/fp
-  PYTHONPATH=. python3 benchmarks/probes/fusion_probe.py --tiny   # CPU smoke run, seconds
+  python3 -m benchmarks.probes.fusion_probe --tiny   # CPU smoke run, seconds
 
 Variants are `bench.py` names (`jaxgraph-recompute`, `jaxgraph-fuse-flat-recompute`, ...) or,
 with `--llama`, `llama-` and a `llama_breakdown.py` variant (`llama-recompute-fuse`). A fused
@@ -45,10 +45,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 from benchmarks import bench  # sets the allocator environment before jax starts
 from benchmarks import gpt, harness, profiling
-from benchmarks.probes import llama_breakdown  # puts examples/ on the path
+from benchmarks.probes import llama_breakdown
 import jax
 import jax.numpy as jnp
-from llama.data import step_batches
+from examples.llama.data import step_batches
 
 import jaxgraph as jg
 from jaxgraph import _fusion as fusion

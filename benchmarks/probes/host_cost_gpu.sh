@@ -16,21 +16,21 @@ out=${1:-${OUT:-/tmp/host_cost}}
 mkdir -p "$out"
 work=$(mktemp -d)
 log=$out/log.txt
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if ! command -v py-spy >/dev/null && ls .whl/py_spy-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       .whl/py_spy-*.whl >>"$log" 2>&1 && export PATH=/tmp/site/bin:$PATH
 fi
 { nvidia-smi -L; python3 -c "import jax; print(jax.__version__, jax.devices())"; } >>"$log" 2>&1
 
-probe=benchmarks/probes/host_per_call.py
+probe=benchmarks.probes.host_per_call
 # HOST_COST_TIMING: other timing flags (a CPU dry run: "--rounds 2 --steps 2 --layers 2")
 read -r -a timing <<<"${HOST_COST_TIMING:---rounds 12 --steps 10 --profile-seconds 6}"
 
 row() {  # row LABEL ARGS...: one process; its result line goes to $work/LABEL.json
   local label=$1; shift
   echo "== $label: $*" >>"$log"
-  timeout 120 python3 "$probe" "${timing[@]}" --json "$work/$label.json" "$@" >>"$log" 2>&1 \
+  timeout 120 python3 -m "$probe" "${timing[@]}" --json "$work/$label.json" "$@" >>"$log" 2>&1 \
       || echo "== $label failed ($?)" >>"$log"
 }
 
@@ -43,7 +43,7 @@ row gpu4_shared --devices 4 --per-layer-executables off
 echo "== gpu4_processes" >>"$log"
 port=$((20000 + RANDOM % 20000))
 for i in 0 1 2 3; do
-  CUDA_VISIBLE_DEVICES=$i timeout 180 python3 "$probe" "${timing[@]}" --devices 4 \
+  CUDA_VISIBLE_DEVICES=$i timeout 180 python3 -m "$probe" "${timing[@]}" --devices 4 \
       --coordinator "127.0.0.1:$port" --num-processes 4 --process-id $i \
       --json "$work/gpu4_processes_$i.json" >"$work/process_$i.log" 2>&1 &
 done
@@ -108,7 +108,7 @@ for r in rows:
 for path in sorted(glob.glob(os.path.join(work, "*.txt"))):
   if path.endswith((".jaxgraph.txt", ".bare.txt")):
     print(f"\n{os.path.basename(path)}")
-    print(subprocess.run([sys.executable, "benchmarks/probes/native_breakdown.py", path],
+    print(subprocess.run([sys.executable, "-m", "benchmarks.probes.native_breakdown", path],
                          capture_output=True, text=True).stdout)
 EOF
 tar -czf "$out/profiles.tar.gz" -C "$work" $(cd "$work" && ls | grep -E '\.(jaxgraph|bare)\.(txt|json)$') \

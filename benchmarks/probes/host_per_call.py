@@ -3,10 +3,11 @@
 Four identical layers (4 matmuls of 8 × 16 by 16 × 16, pytree params of 8 leaves)
 replayed through `vjp` and their pullbacks; the median of `--rounds` rounds of `--steps`
 steps, in µs per executable call. Compare two trees by alternating the package on the path
-(the tree to measure first, this one after it for `benchmarks`):
+(the tree to measure first, this one after it for `benchmarks`; `-P`: the working directory
+not put before them, as `-m` does otherwise):
 
-  for t in .old . .old .; do PYTHONPATH=$t:. python3 benchmarks/probes/host_per_call.py; done
-  PYTHONPATH=. python3 benchmarks/probes/host_per_call.py --rounds 2 --steps 2   # smoke run
+  for t in .old . .old .; do PYTHONPATH=$t:. python3 -P -m benchmarks.probes.host_per_call; done
+  python3 -m benchmarks.probes.host_per_call --rounds 2 --steps 2   # smoke run
 
 `--devices N` (N > 1): FSDP over a mesh of the first N devices, as the Llama example runs
 it: each layer's params raveled (`jg.flat.ravel`) and sharded (`jg.fsdp.shard`: one buffer
@@ -15,7 +16,7 @@ cotangent batch-sharded (`jg.fsdp.batch_sharding`). N = 1: the flat params on on
 no mesh (as the example's N = 1). On the CPU, N virtual devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
-    PYTHONPATH=. python3 benchmarks/probes/host_per_call.py --devices 4
+    python3 -m benchmarks.probes.host_per_call --devices 4
 
 Every run also times `bare`: the same compiled executables (the forward with residuals and
 the backward jaxgraph captured) called directly, `Compiled.__call__` with the arguments

@@ -1,7 +1,7 @@
 """Where the graphed Llama step's time goes, beside its whole-step jit: host or device.
 
-  PYTHONPATH=. python3 benchmarks/probes/llama_breakdown.py --preset gpu --flat --out runs/breakdown
-  PYTHONPATH=. python3 benchmarks/probes/llama_breakdown.py --preset tiny --rounds 2   # CPU smoke
+  python3 -m benchmarks.probes.llama_breakdown --preset gpu --flat --out runs/breakdown
+  python3 -m benchmarks.probes.llama_breakdown --preset tiny --rounds 2   # CPU smoke
 
 Per variant (residual policy, packing threshold) it measures:
   - calls: one block's arrays per `vjp`, and host microseconds per call taken in bursts of a
@@ -28,7 +28,6 @@ import os
 import pathlib
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -39,17 +38,15 @@ from flax import nnx
 
 from benchmarks import harness, profiling
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
-import jaxgraph as jg  # noqa: E402
-from jaxgraph import _capture as capture_lib  # noqa: E402
-from common import Corpus  # noqa: E402
-from llama.data import make_corpus, step_batches  # noqa: E402
-from llama.layers import build_layers, split, tied_inputs  # noqa: E402
-from llama.model import Config, Llama  # noqa: E402
-from llama.presets import PRESETS  # noqa: E402
-from llama.trainer import Trainer, flat_group, optimizer  # noqa: E402
-from llama.whole_step import WholeStep, initial_streams  # noqa: E402
+import jaxgraph as jg
+from jaxgraph import _capture as capture_lib
+from examples.corpus import Corpus
+from examples.llama.data import make_corpus, step_batches
+from examples.llama.layers import build_layers, split, tied_inputs
+from examples.llama.model import Config, Llama
+from examples.llama.presets import PRESETS
+from examples.llama.trainer import Trainer, flat_group, optimizer
+from examples.llama.whole_step import WholeStep, initial_streams
 
 RECOMPUTE = jg.residuals.recompute_elementwise
 VARIANTS = {

@@ -10,9 +10,9 @@ the others by their module: the step's zeros, `accumulate`, `apply_update`), eve
 (`jax.block_until_ready`, `jax.device_get`). Prints a table and a JSON line; the run stops
 after `--steps` counted steps.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu PYTHONPATH=. \
-      python3 benchmarks/probes/llama_step_calls.py -- --preset tiny --fsdp 4 --no-check
-  PYTHONPATH=. python3 benchmarks/probes/llama_step_calls.py -- --preset gpu --fsdp 4 \
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \
+      python3 -m benchmarks.probes.llama_step_calls -- --preset tiny --fsdp 4 --no-check
+  python3 -m benchmarks.probes.llama_step_calls -- --preset gpu --fsdp 4 \
       --batch 64 --no-check      # 4 GPUs; also with --fuse 12
 
 The counts are the host's work, not its time: on the CPU the example also waits for every
@@ -24,19 +24,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import pathlib
-import sys
 import tempfile
 from typing import Any, Callable
 
 import jax
 from jax import stages
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))  # the Llama example's package, common.py
-import jaxgraph as jg  # noqa: E402
-from llama import train as train_lib  # noqa: E402
-from llama import trainer as trainer_lib  # noqa: E402
+import jaxgraph as jg
+from examples.llama import train as train_lib
+from examples.llama import trainer as trainer_lib
 
 
 class _Done(Exception):

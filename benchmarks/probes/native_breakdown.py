@@ -9,7 +9,7 @@ whole; the samples include the main thread's waits (`py-spy --idle`), so the par
 the wall time. The other devices' launches run on PjRt's threads, which py-spy does not see:
 the main thread's wait for them is the `wait` part.
 
-  python3 benchmarks/probes/native_breakdown.py /tmp/profile/native_jaxgraph.txt
+  python3 -m benchmarks.probes.native_breakdown /tmp/profile/native_jaxgraph.txt
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ replays each jaxgraph variant N seconds under py-spy's native sampler, its colla
 `native_<variant>.txt` and the steps and calls that ran in `native_<variant>.json`
 (`native_breakdown.py` reads them).
 
-  PYTHONPATH=. python3 benchmarks/probes/profile_replay.py --size small --out /tmp/profile
-  PYTHONPATH=. python3 benchmarks/probes/profile_replay.py --size tiny --steps 1 \
+  python3 -m benchmarks.probes.profile_replay --size small --out /tmp/profile
+  python3 -m benchmarks.probes.profile_replay --size tiny --steps 1 \
       --variants jaxgraph --out /tmp/profile     # CPU smoke run
 
 The profiler turns XLA command buffers off (unless `xla_enable_command_buffers_during_profiling`

@@ -3,7 +3,7 @@
 The text is what `examples/train_gpt.py` trains on. It is regular enough for a tiny
 character-level model to learn spelling, punctuation and sentence shape in a few minutes,
 and varied enough that the loss keeps falling for a while. Run it again to reproduce the
-file byte for byte: `python examples/data/make_corpus.py`.
+file byte for byte: `python -m examples.data.make_corpus`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@
   checkpoints.py  what checkpoints hold beside the state; --resume's checks and restore
   cli.py          the flags, checked before anything is built
 
-Run it as `python examples/llama/train.py`; train.py puts examples/ on the path, where this
-package (`llama`), examples/common.py and examples/vocabulary.py are found. docs/llama.md.
+Run it from the repository root as `python -m examples.llama.train`; what it shares with
+train_gpt.py it imports from the `examples` package (`examples.checkpoints`,
+`examples.corpus`, `examples.options`, ...). docs/llama.md.
 """

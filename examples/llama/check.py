@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from common import Corpus, Streams
+from examples.checkpoints import Streams
+from examples.corpus import Corpus
 
 from .data import step_batches
 from .fsdp_report import collectives

@@ -1,6 +1,7 @@
-"""What the run's checkpoints hold beside the state (examples/common.py's `Checkpoints`): the
-run's config and vocabulary (`metadata`), which --resume compares with this run's
-(`run_config`, `check_vocabulary`), and the loss history; `resume` restores a run."""
+"""What the run's checkpoints hold beside the state (examples/checkpoints.py's
+`Checkpoints`): the run's config and vocabulary (`metadata`), which --resume compares with
+this run's (`run_config`, `check_vocabulary`), and the loss history; `resume` restores a
+run."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import argparse
 import pathlib
 from typing import Any
 
-import vocabulary as vocab_lib
-from common import Checkpoints
+from examples import vocabulary as vocab_lib
+from examples.checkpoints import Checkpoints
 
 from .data import describe_vocabulary, load_vocabulary, vocabulary_record
 from .layers import Params

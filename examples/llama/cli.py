@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-import vocabulary as vocab_lib
-from common import check_out, check_resume, check_steps, run_parser
+from examples import vocabulary as vocab_lib
+from examples.options import check_out, check_resume, check_steps, run_parser
 
 from .checkpoints import check_vocabulary, run_config, shown_config
 from .lora import check_flags as check_fine_tuning

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax
 
-import vocabulary as vocab_lib
-from common import Corpus
+from examples import vocabulary as vocab_lib
+from examples.corpus import Corpus
 
 from .presets import Preset
 

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Sequence
 import jax
 
 import jaxgraph as jg
-from common import Corpus
+from examples.corpus import Corpus
 
 from .layers import Layer, Params, graphed
 from .memory import state_bytes

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from common import Corpus
+from examples.corpus import Corpus
 
 from .layers import Layer, Params, build_layers, graphed, tied_inputs
 from .model import Cache, Config, Llama

@@ -42,7 +42,8 @@ import numpy as np
 from flax import nnx
 
 import jaxgraph as jg
-from common import Checkpoints, NoCheckpoint, params_digest
+from examples.checkpoints import Checkpoints, NoCheckpoint
+from examples.records import arrays_sha256
 
 from .checkpoints import check_vocabulary, run_config, shown_config
 from .layers import Params, split
@@ -231,7 +232,7 @@ def grad_mask(*args: Any) -> tuple[Any, ...]:
 
 def frozen_digest(params: Params, masks: list[Any], placement: Placement) -> str:
   """sha256 of the params that do not train (the base), in order."""
-  return params_digest(placement.host(jg.partition(params, masks)[1]))
+  return arrays_sha256(placement.host(jg.partition(params, masks)[1]))
 
 
 def add_adapters(model: Llama, rank: int, seed: int) -> None:
@@ -324,7 +325,7 @@ def start(args: argparse.Namespace, preset: Preset, model: Llama,
     # its structure.
     step, loaded, rank = load_run(args, preset, model, params, placement, streams)
     meta = {"init_from": str(args.init_from.absolute()), "init_step": step,
-            "params_sha256": params_digest(placement.host(loaded))}
+            "params_sha256": arrays_sha256(placement.host(loaded))}
     merged = ""
     if rank is not None:  # the run's own params are the merged model's
       fns, params = split(model)
@@ -332,7 +333,7 @@ def start(args: argparse.Namespace, preset: Preset, model: Llama,
         params = [jg.flat.ravel(p, group=flat_group) for p in params]
       params = placement.shard(params)
       meta["merged_lora_rank"] = rank
-      meta["merged_params_sha256"] = params_digest(placement.host(params))
+      meta["merged_params_sha256"] = arrays_sha256(placement.host(params))
       merged = (f"; it is a --lora {rank} run: its adapters merged into the kernels "
                 f"(W + A @ B), sha256 {meta['merged_params_sha256'][:12]} merged")
     else:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import jax
 
-from common import Corpus
+from examples.corpus import Corpus
 
 from .data import step_batches
 from .layers import Params

@@ -1,10 +1,10 @@
 """Train the Llama-style model of model.py with every decoder block graphed, then generate.
 
-  PYTHONPATH=. python examples/llama/train.py --preset cpu    # 1.5 min of CPU time, 2 cores
-  PYTHONPATH=. python examples/llama/train.py --preset tiny   # 12 steps, mostly compiling (CI)
-  PYTHONPATH=. python examples/llama/train.py --preset gpu    # one GPU; also times one
+  python -m examples.llama.train --preset cpu    # 1.5 min of CPU time, 2 cores
+  python -m examples.llama.train --preset tiny   # 12 steps, mostly compiling (CI)
+  python -m examples.llama.train --preset gpu    # one GPU; also times one
                                                               # whole-step jax.jit of the model
-  PYTHONPATH=. python examples/llama/train.py --preset gpu-1b # ~1B params on one 80 GB GPU
+  python -m examples.llama.train --preset gpu-1b # ~1B params on one 80 GB GPU
   ... --stop-after 40, then the same command with --resume    # bitwise the uninterrupted run
   ... --fresh           # a new run in an --out that holds one (moved to OUT/earlier-N/)
   Ctrl-C, anywhere      # one line: the checkpoint step kept and the command that continues
@@ -61,29 +61,30 @@ from jax.sharding import Mesh  # noqa: E402
 
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import fsdp  # noqa: E402
-
-# examples/ on the path: this folder's package (`llama`), examples/common.py, vocabulary.py.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import interrupt  # noqa: E402
-from common import (Checkpoints, Corpus, given_command, params_digest,  # noqa: E402
-                    plot, progress_bar, resume_command, write_json)
-from llama import check as check_lib  # noqa: E402
-from llama import lora  # noqa: E402
-from llama.checkpoints import metadata, resume, run_config  # noqa: E402
-from llama.cli import parse  # noqa: E402
-from llama.data import make_corpus, step_batches, vocabulary_record  # noqa: E402
-from llama.fsdp_report import fsdp_report  # noqa: E402
-from llama.generation import write_sample  # noqa: E402
-from llama.layers import (RESIDUAL_POLICIES, Layer, Params, build_layers,  # noqa: E402
-                          graphed, split, tied_inputs)
-from llama.memory import peak_bytes, state_bytes  # noqa: E402
-from llama.model import Config, Llama  # noqa: E402
-from llama.offload import OffloadChoice, plan_offload  # noqa: E402
-from llama.placement import Placement, fsdp_mesh, shard_threshold  # noqa: E402
-from llama.presets import Preset, model_config, resolve  # noqa: E402
-from llama.throughput import RoundTimer, describe_rates, rate_summary  # noqa: E402
-from llama.trainer import Stepper, Trainer, evaluate, flat_group, optimizer  # noqa: E402
-from llama.whole_step import WholeStep, initial_streams  # noqa: E402
+from examples import interrupt  # noqa: E402
+from examples.checkpoints import Checkpoints  # noqa: E402
+from examples.corpus import Corpus  # noqa: E402
+from examples.options import given_command, resume_command  # noqa: E402
+from examples.plotting import plot  # noqa: E402
+from examples.progress import progress_bar  # noqa: E402
+from examples.records import arrays_sha256, write_json  # noqa: E402
+from examples.llama import check as check_lib  # noqa: E402
+from examples.llama import lora  # noqa: E402
+from examples.llama.checkpoints import metadata, resume, run_config  # noqa: E402
+from examples.llama.cli import parse  # noqa: E402
+from examples.llama.data import make_corpus, step_batches, vocabulary_record  # noqa: E402
+from examples.llama.fsdp_report import fsdp_report  # noqa: E402
+from examples.llama.generation import write_sample  # noqa: E402
+from examples.llama.layers import (RESIDUAL_POLICIES, Layer, Params, build_layers,  # noqa: E402
+                                   graphed, split, tied_inputs)
+from examples.llama.memory import peak_bytes, state_bytes  # noqa: E402
+from examples.llama.model import Config, Llama  # noqa: E402
+from examples.llama.offload import OffloadChoice, plan_offload  # noqa: E402
+from examples.llama.placement import Placement, fsdp_mesh, shard_threshold  # noqa: E402
+from examples.llama.presets import Preset, model_config, resolve  # noqa: E402
+from examples.llama.throughput import RoundTimer, describe_rates, rate_summary  # noqa: E402
+from examples.llama.trainer import Stepper, Trainer, evaluate, flat_group, optimizer  # noqa: E402
+from examples.llama.whole_step import WholeStep, initial_streams  # noqa: E402
 
 
 def announce(args: argparse.Namespace, preset: Preset, mesh: Mesh | None) -> None:
@@ -304,7 +305,7 @@ def summarize(args: argparse.Namespace, preset: Preset, params: Params, losses: 
       "eval_losses": eval_losses, "final_loss": losses[-1] if losses else None,
       "train_seconds": round(timer.seconds, 3), "capture_seconds": round(captured.seconds, 3),
       "tokens_per_second": loop["median"], "throughput": {"loop": loop},
-      "params_sha256": params_digest(placement.host(params)), "vocabulary": vocabulary,
+      "params_sha256": arrays_sha256(placement.host(params)), "vocabulary": vocabulary,
       "offload": None if offload is None else offload.summary(),
       "stats": {f"{kind} {layer.name}": layer.stats._asdict()
                 for kind, layers in captured.kinds() for layer in graphed(layers)},
@@ -352,7 +353,7 @@ def write_metrics(out: pathlib.Path, result: dict[str, Any], checkpoints: Checkp
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   """One run of the command (`argv`: its flags); returns what metrics.json holds."""
   args = parse(argv)
-  command = resume_command(__file__, sys.argv[1:] if argv is None else argv)
+  command = resume_command("examples.llama.train", sys.argv[1:] if argv is None else argv)
   interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
   preset = resolve(args)
   check = (preset.check and not args.whole_step) if args.check is None else args.check
@@ -443,5 +444,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  interrupt.run(main, sys.argv[1:], command=resume_command(__file__, sys.argv[1:]),
-                rerun=given_command(__file__, sys.argv[1:]))
+  interrupt.run(main, sys.argv[1:], command=resume_command("examples.llama.train", sys.argv[1:]),
+                rerun=given_command("examples.llama.train", sys.argv[1:]))

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import optax
 
 import jaxgraph as jg
-from common import Corpus, Streams, stream_positions
+from examples.checkpoints import Streams, stream_positions
+from examples.corpus import Corpus
 
 from .layers import Batches, Layer, Params, graphed, tied_inputs
 from .model import Config

@@ -15,7 +15,7 @@ import optax
 
 import jaxgraph as jg
 import jaxgraph.rng
-from common import Streams
+from examples.checkpoints import Streams
 
 from .layers import Batches, Params, tied_inputs
 from .model import Config

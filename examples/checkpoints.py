@@ -1,80 +1,36 @@
-"""What the training examples share: their run options and the checks of `--out`, the corpus,
-key-stream positions, verified Orbax checkpoints that hold them with the run's config and
-loss history, atomic JSON writes, the progress bar, a params digest, the loss plot.
+"""Verified Orbax checkpoints of a training example: each step holds the state, each layer's
+key-stream position, the run's config and loss history, and digests that a restore checks;
+what a run leaves in `--out` and how `--fresh` moves it aside.
 
-Used by examples/train_gpt.py and the Llama example (examples/llama/). What a checkpoint is
-checked for, and the noise of a failed Orbax read or write kept quiet, are in
-checkpoint_checks.py; the progress bar is progress.py's (both imported here); what a
-Ctrl-C does, interrupt.py's (its writes here are held across one).
+What a checkpoint is checked for, and the noise of a failed Orbax read or write kept quiet,
+are in checkpoint_checks.py; what a Ctrl-C does, interrupt.py's (the writes here are held
+across one).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import hashlib
-import json
-import os
 import pathlib
-import shlex
 import shutil
 import sys
-import tempfile
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple, NoReturn, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import Sharding
 
 import jaxgraph as jg
 import jaxgraph.rng
-import interrupt
-from checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held, other_shapes,
-                               quiet_closed_loops, reason, tree_digests)
-from progress import LogLines, close_bars, progress_bar  # noqa: F401 (LogLines: for users)
-from vocabulary import Vocabulary
-
-
-def run_parser(description: str, presets: Sequence[str]) -> argparse.ArgumentParser:
-  """The options every training example takes: a preset, the steps, and stop / resume /
-  start afresh."""
-  parser = argparse.ArgumentParser(description=description)
-  parser.add_argument("--preset", choices=sorted(presets), default="cpu")
-  parser.add_argument("--steps", type=int, help="total steps (default: the preset's)")
-  parser.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted")
-  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-  parser.add_argument("--fresh", action="store_true",
-                      help="start a new run in an --out that holds an earlier one: its "
-                           "checkpoints and outputs are moved to OUT/earlier-N/ (kept)")
-  parser.add_argument("--legacy-metadata", action="store_true",
-                      help="read checkpoint steps whose metadata has no digest (written before "
-                           "metadata digests) as they are: their config and loss history "
-                           "unchecked (their arrays are checked as always); without it such a "
-                           "step is refused")
-  parser.add_argument("--keep-checkpoints", type=int, default=KEEP, metavar="N",
-                      help=f"how many of the newest checkpoint steps to keep (default: {KEEP}; "
-                           "an older step is deleted when a newer one is saved)")
-  return parser
+from examples import interrupt
+from examples.checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held,
+                                        other_shapes, quiet_closed_loops, reason, tree_digests)
+from examples.progress import close_bars
 
 
 # The checkpoint steps a run keeps by default (--keep-checkpoints).
 KEEP = 2
-
-
-def check_steps(parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int) -> None:
-  """--stop-after and --keep-checkpoints against the run's `steps` (argparse errors): a
-  --stop-after past the last step would stop nowhere."""
-  if args.stop_after is not None and args.stop_after > steps:
-    parser.error(f"--stop-after {args.stop_after} is past the run's last step (--steps "
-                 f"{steps}): pass a --stop-after of at most {steps}, or leave it out to train "
-                 "every step")
-  if args.keep_checkpoints < 1:
-    parser.error(f"--keep-checkpoints takes a number >= 1 (a resume needs a step to resume "
-                 f"from), got {args.keep_checkpoints}")
 
 
 # What a run writes in --out, each moved aside together by --fresh.
@@ -91,33 +47,6 @@ def earlier_run(out: pathlib.Path) -> list[str]:
   if steps:
     found.insert(0, f"checkpoints of step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}")
   return found
-
-
-def check_out(parser: argparse.ArgumentParser, out: pathlib.Path, *, resume: bool,
-              fresh: bool) -> None:
-  """`--out` before anything is built (argparse errors): it and its `checkpoints/` are
-  directories that can be created and written to (so that the first save cannot fail on
-  them after the steps were trained), and one holding an earlier run is refused unless
-  `--resume` continues it or `--fresh` moves it aside. Creates both directories."""
-  if resume and fresh:
-    parser.error("--resume continues the run in --out and --fresh starts a new one: pass one "
-                 "of them")
-  for path in (out, out / "checkpoints"):
-    if path.exists() and not path.is_dir():
-      parser.error(f"--out: {path} is a file, not a directory: pass an --out that is a "
-                   "directory or does not exist yet")
-    try:
-      path.mkdir(parents=True, exist_ok=True)
-      with tempfile.TemporaryFile(dir=path):
-        pass
-    except OSError as e:
-      parser.error(f"--out: cannot write to {path} ({e.strerror or e}): pass an --out you "
-                   "can write to")
-  found = earlier_run(out)
-  if found and not (resume or fresh):
-    parser.error(f"--out {out} holds an earlier run ({'; '.join(found)}): pass --resume to "
-                 f"continue it, --fresh to start afresh (it is moved to {aside(out)}, not "
-                 "deleted), or another --out")
 
 
 def aside(out: pathlib.Path) -> pathlib.Path:
@@ -139,76 +68,6 @@ def move_aside(out: pathlib.Path) -> pathlib.Path | None:
   for path in found:
     path.rename(destination / path.name)
   return destination
-
-
-def resume_command(script: str, argv: Sequence[str]) -> str:
-  """The command that continues the run `script` started with `argv`: the same flags
-  without --stop-after and --fresh, with --resume (`given_command`: as given)."""
-  flags, skip = [], False
-  for arg in argv:
-    if skip:
-      skip = False
-    elif arg == "--stop-after":
-      skip = True
-    elif not (arg.startswith("--stop-after=") or arg in ("--fresh", "--resume")):
-      flags.append(arg)
-  return given_command(script, [*flags, "--resume"])
-
-
-def given_command(script: str, argv: Sequence[str]) -> str:
-  """`python script argv...`, the script shown from the working directory where it is
-  below it."""
-  path = pathlib.Path(script).absolute()
-  with contextlib.suppress(ValueError):
-    path = path.relative_to(pathlib.Path.cwd())
-  return shlex.join(["python", str(path), *argv])
-
-
-class Corpus:
-  """A text as token ids; batch `step` is a function of (seed, step) only.
-
-  With `held_out` > 0, that fraction at the end of the ids is kept out of training and
-  read by `eval_batch`. With a `sharding` (data parallel: the batch dimension split over a
-  mesh) every batch is placed with it; with several processes each one makes the same whole
-  batch and keeps its own devices' rows.
-  """
-
-  def __init__(self, ids: np.ndarray, vocabulary: Vocabulary, context: int, batch: int,
-               seed: int, held_out: float = 0.0, sharding: Sharding | None = None):
-    split = len(ids) - int(held_out * len(ids))
-    self.ids, self.held_out_ids = ids[:split], ids[split:]
-    shortest = min(len(self.ids), len(self.held_out_ids) if held_out else len(self.ids))
-    if shortest <= context + 1:
-      raise ValueError(f"a text of {len(ids):,} tokens ({shortest:,} in its shorter part) "
-                       f"has no window of {context + 1} tokens: pass a shorter context or a "
-                       "longer text")
-    self.vocabulary = vocabulary
-    self.context, self.batch, self.seed = context, batch, seed
-    self.sharding = sharding
-
-  def _windows(self, ids: np.ndarray, seed: Sequence[int]) -> tuple[jax.Array, jax.Array]:
-    starts = np.random.default_rng(seed).integers(0, len(ids) - self.context - 1, self.batch)
-    window = np.stack([ids[s:s + self.context + 1] for s in starts])
-    tokens, targets = window[:, :-1], window[:, 1:]
-    if self.sharding is None:
-      return jnp.asarray(tokens), jnp.asarray(targets)
-    # From the host copy each process holds: no cross-process check of equal values, which
-    # `jax.device_put` to a global sharding runs (a collective per call).
-    def place(part: np.ndarray) -> jax.Array:
-      return jax.make_array_from_callback(part.shape, self.sharding, lambda index: part[index])
-
-    return place(tokens), place(targets)
-
-  def batch_at(self, step: int) -> tuple[jax.Array, jax.Array]:
-    """Training batch `step`: (tokens, next tokens), each (batch, context)."""
-    return self._windows(self.ids, [self.seed, step])
-
-  def eval_batch(self, index: int) -> tuple[jax.Array, jax.Array]:
-    """Held-out batch `index` (the same on every call)."""
-    return self._windows(self.held_out_ids, [self.seed, index, 1])
-
-  def decode(self, ids: Any) -> str:
-    return self.vocabulary.decode(ids)
 
 
 Streams = list[tuple[jax.Array, int]]
@@ -265,8 +124,9 @@ class Checkpoints:
   Orbax writes a step into a temporary directory and renames it when complete, so the state
   and the history of a step are there together or not at all. `restore` checks the metadata
   against its digest and every array against the step's digests, and falls back to the
-  previous step when the latest cannot be read or fails a check. A step it skipped is moved out of the way (into
-  `checkpoints-rejected/`): Orbax silently skips saving a step at or below one it holds.
+  previous step when the latest cannot be read or fails a check. A step it skipped is moved
+  out of the way (into `checkpoints-rejected/`): Orbax silently skips saving a step at or
+  below one it holds.
 
   Sharded arrays (FSDP) save and restore as Orbax does them: each process writes its own
   shards, and a restore places every array with the sharding of its target. The digests are
@@ -290,7 +150,7 @@ class Checkpoints:
         print(f"--fresh: the earlier run in {out} moved to {moved} (kept: --out {moved} "
               "--resume continues it; delete it when you no longer need it)")
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("examples.common.Checkpoints.for_run")
+      multihost_utils.sync_global_devices("examples.checkpoints.Checkpoints.for_run")
     return cls(out / "checkpoints", host=host, command=command, keep=keep, own=True,
                legacy_metadata=legacy_metadata)
 
@@ -543,125 +403,3 @@ def _says(error: BaseException | None, text: str) -> bool:
       return True
     error = error.__cause__ or error.__context__
   return False
-
-
-def write_json(path: pathlib.Path, value: Any, **options: Any) -> None:
-  """Writes `value` as JSON to `path` atomically: a temporary file renamed over it, so a
-  kill or a full disk leaves the old file or the new one, never a partial one."""
-  temporary = path.with_name(f".{path.name}.tmp")
-  try:
-    with open(temporary, "w") as f:
-      json.dump(value, f, **options)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(temporary, path)
-  except BaseException:
-    temporary.unlink(missing_ok=True)
-    raise
-
-
-def check_resume(parser: argparse.ArgumentParser, out: pathlib.Path, config: dict[str, Any],
-                 steps: int, stop: int,
-                 shown: Callable[[dict[str, Any]], dict[str, Any]] = dict,
-                 finished: str = "", legacy_metadata: bool = False) -> None:
-  """With --resume: refuses (`parser.error`) a checkpoint past `steps`, or one saved by a
-  run whose config differs from `config` (names the flags that differ), or steps whose
-  metadata has no digest (without `legacy_metadata`: --legacy-metadata); for an intact
-  checkpoint at `steps`, says that nothing is left to train and exits (status 0), before
-  anything is built (`finished`: what to do instead), writing nothing but a missing or
-  damaged metrics.json (`restore_metrics`).
-
-  `config` maps flag names (`dropout`, `plain_ends`, ...) to values; it is what `save`'s
-  metadata holds under "config". `shown` gives the values a config stands for, as the
-  message shows them (a None saved for the preset's batch: that batch). Reads the newest
-  verified metadata; the arrays only of a finished run's last step (their digests).
-  """
-  directory = out / "checkpoints"
-  if not directory.is_dir():
-    return
-  checkpoints = Checkpoints(directory, legacy_metadata=legacy_metadata)
-  latest = checkpoints.latest_meta()
-  if latest is None:
-    undigested = [f"step {step} {problem}" for step, problem in checkpoints.meta_problems()
-                  if "without its digest" in problem]
-    if undigested:
-      parser.error(f"--resume: no checkpoint in {directory} has metadata that can be checked: "
-                   + "; ".join(undigested))
-    return
-  step, meta = latest
-  if step > steps:
-    parser.error(f"the checkpoint in {directory} is at step {step}, past --steps {steps}: "
-                 f"pass --steps {step} or more to continue it, or --fresh instead of --resume "
-                 "to start afresh (the checkpoints are moved aside, not deleted)")
-  if step >= stop and stop < steps:
-    parser.error(f"--stop-after {stop} is not after the checkpoint's step {step} in "
-                 f"{directory}: pass a later --stop-after")
-  saved = meta.get("config", {})
-  ours, theirs = shown(config), shown(saved)
-
-  def show(value: Any) -> str:
-    return value if isinstance(value, str) else repr(value)
-
-  differ = [f"--{name.replace('_', '-')} {show(ours.get(name))} (the checkpoint's run: "
-            f"{show(theirs.get(name))})" for name in sorted(config.keys() | saved.keys())
-            if config.get(name) != saved.get(name)]
-  if differ:
-    parser.error(f"--resume with a config other than that of the checkpoint in {directory}: "
-                 + ", ".join(differ) + ". Pass the checkpoint's flags to continue it, or "
-                 "another --out for a new run")
-  # A damaged last step is rejected by the resume, which then trains from the one before.
-  if step == steps and jax.process_count() == 1 and checkpoints.intact(step):
-    restored = restore_metrics(out / "metrics.json", meta)
-    print(f"--resume: the checkpoint in {directory} is at step {step}, the run's last "
-          f"(--steps {steps}): nothing left to train; nothing was built"
-          + (f", and {restored}." if restored else " or written.")
-          + (f" {finished}" if finished else ""))
-    sys.exit(0)
-
-
-def restore_metrics(path: pathlib.Path, meta: dict[str, Any]) -> str | None:
-  """A finished run's metrics.json, when missing or damaged (unreadable, or a history other
-  than its last checkpoint's), written again from that checkpoint's `meta` (its step and
-  loss history: what a checkpoint holds of it); what was done, or None if it was whole."""
-  history = {key: meta[key] for key in ("losses", "eval_losses") if key in meta}
-  missing = not path.exists()
-  try:
-    found = json.loads(path.read_text())
-    whole = all(found.get(key) == value for key, value in history.items())
-  except (OSError, ValueError, AttributeError):  # missing, truncated, not an object
-    found, whole = None, False
-  if whole:
-    return None
-  write_json(path, {"step": meta["step"], **history}, indent=1)
-  return (f"{path} was {'missing' if missing else 'damaged'}: "
-          f"written again from step {meta['step']}'s checkpoint (its step and "
-          f"{' and '.join(history) or 'nothing else'}; the run's other records, such as "
-          "tokens/s, are not in checkpoints)")
-
-
-def params_digest(params: Any) -> str:
-  digest = hashlib.sha256()
-  for leaf in jax.tree.leaves(params):
-    digest.update(np.asarray(leaf).tobytes())
-  return digest.hexdigest()
-
-
-def plot(losses: list[float], path: pathlib.Path, title: str,
-         eval_losses: Sequence[tuple[int, float]] = ()) -> None:
-  """Training loss per step (raw and smoothed) and, if given, (step, held-out loss) points."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  steps = np.arange(1, len(losses) + 1)
-  window = max(1, len(losses) // 25)
-  smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-  fig, ax = plt.subplots(figsize=(7, 4))
-  ax.plot(steps, losses, alpha=0.35, label="loss")
-  ax.plot(steps[window - 1:], smooth, label=f"mean of {window}")
-  if eval_losses:
-    ax.plot(*zip(*eval_losses), "o-", label="held-out loss")
-  ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title=title)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
