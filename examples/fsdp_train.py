@@ -10,6 +10,8 @@ weights inside its own executables (forward, and again in the backward: the rema
 keeps gathered weights out of the residuals), and its weight gradients come back sharded
 like the weights, so the optimizer update runs on shards. The script prints the losses, the
 collectives of one layer's executables and their per-device memory (`memory_analysis()`).
+Ctrl-C ends it in one line: what it finished and the command that runs it again
+(`examples/interrupt.py`; it saves nothing).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -32,6 +35,8 @@ import optax  # noqa: E402
 import jaxgraph as jg  # noqa: E402
 from jaxgraph import _capture as capture_lib  # noqa: E402
 from jaxgraph import fsdp  # noqa: E402
+from examples import interrupt  # noqa: E402
+from examples.options import given_command  # noqa: E402
 
 Params = dict[str, jax.Array]
 
@@ -56,7 +61,7 @@ def collectives(compiled: Any) -> dict[str, int]:
           for op in ("all-gather", "reduce-scatter", "all-reduce") if re.search(op, hlo)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--layers", type=int, default=4)
@@ -64,7 +69,7 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=64)
   parser.add_argument("--check", action="store_true",
                       help="train the same steps under one jax.jit and compare the params")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
 
   mesh = fsdp.make_mesh()                                    # axis "fsdp" over all devices
   batch = fsdp.batch_sharding(mesh)
@@ -80,6 +85,7 @@ def main() -> None:
   target = jax.device_put(jnp.sin(x @ jax.random.normal(k_w, (args.d, args.d))), batch)
 
   start = time.perf_counter()
+  interrupt.point("capture")
   layers = jg.make_graphed([layer] * args.layers, sample_args=[(p, x) for p in params],
                            on_new_signature="error")
   print(f"{len(mesh.devices.flat)} x {mesh.devices.flat[0].device_kind}: captured "
@@ -98,6 +104,7 @@ def main() -> None:
   def train(params: list[Params]) -> tuple[list[Params], list[float]]:
     opt_state, losses = optimizer.init(params), []
     for step in range(args.steps):
+      interrupt.point("training", step)
       y, pullback = jg.sequential_vjp(layers, params, x)
       loss, ct = loss_and_ct(y, target)
       grads, _ = pullback(ct)                                # sharded like params
@@ -108,6 +115,8 @@ def main() -> None:
     return params, losses
 
   trained, losses = train(params)
+  interrupt.finished(f"the {args.steps} training steps")
+  interrupt.point("summary")
   kept = all(a.sharding == b.sharding
              for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(params)))
   print(f"param shardings kept through training: {kept}")
@@ -124,6 +133,9 @@ def main() -> None:
           f"{m.output_size_in_bytes:>9,}  temp {m.temp_size_in_bytes:>9,}")
 
   if args.check:
+    interrupt.finished("the summary")
+    interrupt.point("check")
+
     def loss_of(params: list[Params]) -> jax.Array:
       y = x
       for p in params:
@@ -148,4 +160,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  interrupt.run(main, sys.argv[1:], rerun=given_command("examples.fsdp_train", sys.argv[1:]))

@@ -1,5 +1,7 @@
 """Ctrl-C in the examples: the run ends with one line that says what was kept and the command
-that continues, exit status 130, and no half-written file.
+that continues, exit status 130, and no half-written file. An example that saves no
+checkpoints (fsdp_train, pipeline_1f1b, linen_mlp) says what it finished and the command that
+runs it again.
 
 `run` calls an example's `main` with a SIGINT handler installed. The handler raises
 `KeyboardInterrupt` where the run is (capture, a step, evaluation, generation: nothing there
@@ -7,7 +9,8 @@ is written), except inside `held()`, around every write (a checkpoint save, metr
 loss.png, a step moved aside): there the first Ctrl-C waits for the write to finish, so a
 checkpoint step is complete or absent and Orbax's threads are not cut off mid-save; a second
 one stops at once (Orbax leaves the step's temporary folder, which the next run's checkpoints
-remove when they open). The run's `point`s name where it is, for that line.
+remove when they open). The run's `point`s name where it is, for that line; in an example
+that saves nothing, `finished` names what of the run is done (printed above).
 
 The process then ends by `os._exit(130)`, after flushing its output: the interpreter's own
 exit runs with XLA compiles or Orbax's writer threads still going when Ctrl-C lands in them,
@@ -39,8 +42,11 @@ PHASES = {
     "start": "start-up", "capture": "capture", "restore": "the resume's restore",
     "training": "training", "evaluation": "evaluation", "save": "a checkpoint save",
     "check": "--check", "outputs": "writing loss.png and metrics.json",
-    "generation": "generation",
+    "generation": "generation", "summary": "the summary of its executables",
+    "compare": "--compare's training on one device",
 }
+# The phases whose line names the step.
+STEPPED = ("training", "evaluation", "save", "compare")
 TEST_ENV = "EXAMPLES_INTERRUPT_AT"
 
 
@@ -49,7 +55,7 @@ class _Run:
 
   phase = "start"
   step: int | None = None
-  command = ""  # continues the run (--resume)
+  command: str | None = ""  # continues the run (--resume); None: the example saves nothing
   rerun = ""  # the command as given: starts it again where --fresh has not moved a run yet
   directory: pathlib.Path | None = None  # its checkpoints' folder, before they are opened
   fresh = False
@@ -57,6 +63,7 @@ class _Run:
   last_step: int | None = None  # the run's last step: a checkpoint there leaves nothing to train
   holding = 0  # depth of `held()`
   pending = False  # a Ctrl-C arrived inside `held()`
+  finished: list[str] = []  # what a run that saves nothing has done, for its last line
 
 
 RUN = _Run()
@@ -70,6 +77,11 @@ def point(phase: str, step: int | None = None) -> None:
     os.kill(os.getpid(), signal.SIGINT)
   elif wanted == "compile" and phase == "capture":
     threading.Thread(target=_interrupt_a_compile, daemon=True).start()
+
+
+def finished(what: str) -> None:
+  """The run (of an example that saves nothing) has done `what`: "the 30 training steps"."""
+  RUN.finished.append(what)
 
 
 def _interrupt_a_compile() -> None:
@@ -120,11 +132,16 @@ def _handler(signum: int, frame: Any) -> None:
 def _line(twice: bool = False) -> str:
   """The last line: where the run was, what it kept, the command that continues."""
   where = PHASES.get(RUN.phase, RUN.phase)
-  if RUN.phase in ("training", "evaluation", "save") and RUN.step is not None:
+  if RUN.phase in STEPPED and RUN.step is not None:
     where += f" (step {RUN.step})"
   stopped = "Ctrl-C twice: stopped" if twice else "interrupted (Ctrl-C)"
   if twice:
     where += ", without finishing it"
+  if RUN.command is None:  # nothing is saved: what finished, and the command again
+    kept = (f"it finished {' and '.join(RUN.finished)} (printed above) and saves no "
+            "checkpoints" if RUN.finished else "this example saves no checkpoints, so nothing "
+            "is kept")
+    return f"{stopped} during {where}: {kept}; run it again with: {RUN.rerun}"
   command = RUN.command or "the same command with --resume"
   if RUN.checkpoints is None and RUN.fresh:  # the earlier run is where it was
     return (f"{stopped} during {where}: nothing of this run is saved yet (--fresh has not "
@@ -152,11 +169,11 @@ def _stop(line: str) -> None:
   os._exit(130)
 
 
-def run(main: Callable[[list[str]], Any], argv: list[str], *, command: str,
-        rerun: str) -> None:
-  """Runs `main(argv)`, Ctrl-C ending it in one line (`command`: the one that continues;
-  `rerun`: `argv`'s). An inherited SIGINT that is ignored (a background job, nohup) stays
-  ignored."""
+def run(main: Callable[[list[str]], Any], argv: list[str], *, rerun: str,
+        command: str | None = None) -> None:
+  """Runs `main(argv)`, Ctrl-C ending it in one line (`rerun`: `argv`'s command; `command`:
+  the one that continues from the run's checkpoints, None for an example that saves none).
+  An inherited SIGINT that is ignored (a background job, nohup) stays ignored."""
   RUN.command, RUN.rerun = command, rerun
   if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _handler)

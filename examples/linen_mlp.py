@@ -6,7 +6,8 @@
 Each layer (input projection, residual dropout blocks, classifier + loss) is turned into a
 pure function by `jaxgraph.flax.linen_layer` and captured by one `jaxgraph.make_graphed`
 call; the blocks share one set of executables. Evaluation uses the same Linen modules with
-`train=False`, under one plain `jax.jit`.
+`train=False`, under one plain `jax.jit`. Ctrl-C ends it in one line: what it finished and
+the command that runs it again (`examples/interrupt.py`; it saves nothing).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import optax
 
 import jaxgraph as jg
 import jaxgraph.flax as jgf
+from examples import interrupt
+from examples.options import given_command
 
 CLASSES, WIDTH, DEPTH, BATCH = 3, 64, 4, 256
 
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   params = list(params)
   sample_args = ([(params[0], points)] + [(p, x) for p in params[1:-1]]
                  + [(params[-1], x, labels)])
+  interrupt.point("capture")
   layers = jg.make_graphed(list(fns), sample_args=sample_args, rng=jax.random.key(args.seed))
   for i, layer in enumerate(layers):
     s = layer.stats
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   losses = []
   for step in range(1, args.steps + 1):
+    interrupt.point("training", step)
     points, labels = spiral(BATCH, args.seed + step)
     h, stem_pullback = layers[0].vjp(params[0], points)
     h, blocks_pullback = jg.sequential_vjp(layers[1:-1], params[1:-1], h)
@@ -109,6 +114,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       print(f"step {step:>4}/{args.steps} loss {float(loss):.4f} batch accuracy "
             f"{float(accuracy):.3f}", flush=True)
 
+  interrupt.finished(f"the {args.steps} training steps")
+  interrupt.point("evaluation")
   # Evaluation: the same Linen modules with train=False, composed under one jax.jit.
   eval_fns = [jgf.linen_layer(m, v)[0] if m is not block
               else jgf.linen_layer(m, v, train=False)[0] for m, v in zip(modules, variables)]
@@ -128,4 +135,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  interrupt.run(main, sys.argv[1:], rerun=given_command("examples.linen_mlp", sys.argv[1:]))
