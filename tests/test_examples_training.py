@@ -1,18 +1,17 @@
 """The examples train: train_gpt and llama/train (tiny presets) train, checkpoint, resume
-bitwise and match a whole-step jax.jit; LoRA fine-tunes a trained run; linen_mlp trains.
+bitwise and match a whole-step jax.jit; LoRA fine-tunes a trained run; fsdp_train,
+pipeline_1f1b and linen_mlp train, and end a Ctrl-C in one line that says how to rerun them.
 The Llama tiny preset computes the golden numbers recorded from an earlier version and
 resumes a checkpoint it wrote (tests/llama_golden.py)."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import pathlib
 import re
 import shlex
 import shutil
-import sys
 from typing import Any
 
 import jax
@@ -21,8 +20,8 @@ import pytest
 
 import llama_golden
 from examples import checkpoints as checkpoints_lib
-from examples_support import (EXAMPLES, checkpoint_state, continue_run, final_params,
-                              flip_bytes, interrupted, run_example)
+from examples_support import (checkpoint_state, continue_run, final_params, flip_bytes,
+                              interrupted, run_example)
 from examples_support import env, llama  # noqa: F401 (pytest fixtures)
 
 
@@ -392,11 +391,61 @@ def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llam
     assert metrics["eval_losses"] == golden["eval_losses"]
 
 
-def test_linen_mlp_trains(capsys, monkeypatch):
-  spec = importlib.util.spec_from_file_location("linen_mlp", EXAMPLES / "linen_mlp.py")
-  linen_mlp = importlib.util.module_from_spec(spec)
-  monkeypatch.setitem(sys.modules, "linen_mlp", linen_mlp)  # Linen modules are dataclasses
-  spec.loader.exec_module(linen_mlp)
-  result = linen_mlp.main(["--steps", "30"])  # in this process: no second jax start-up
+# ------------------------------------------- the examples that save nothing, and their Ctrl-C
+
+NOTHING_KEPT = "this example saves no checkpoints, so nothing is kept"
+
+
+def _ctrl_c(module: str, env: dict[str, str], args: list[str], *at: tuple[str, str]) -> list[str]:
+  """Ctrl-C (SIGINT) at each (point, its line's "during ...: kept") of `at` in `python -m
+  module args` (one run each), an example that saves nothing: one line that names the
+  command as given. Returns that command's args, to run it again."""
+  for point, where_kept in at:
+    line = interrupted(module, env, point, *args)
+    assert line == (f"interrupted (Ctrl-C) during {where_kept}; run it again with: "
+                    f"{shlex.join(['python', '-m', module, *args])}"), line
+  python, m, again, *rest = shlex.split(line.split("run it again with: ")[1])
+  assert [python, m, again] == ["python", "-m", module]
+  return rest
+
+
+@pytest.mark.cpu_only
+def test_fsdp_example_trains_with_sharded_weights_and_ctrl_c_ends_it_in_one_line(env):
+  env = {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  args = _ctrl_c("examples.fsdp_train", env, ["--steps", "3", "--layers", "2"],
+                 ("capture", f"capture: {NOTHING_KEPT}"),
+                 ("training@1", f"training (step 1): {NOTHING_KEPT}"))
+  out = run_example("examples.fsdp_train", env, *args)
+  assert "8 x cpu: captured 2 layers" in out and "captures [1, 0]" in out
+  assert "param shardings kept through training: True" in out
+  assert "forward {'all-gather': 2}" in out
+  losses = [float(line.split("loss ")[1]) for line in out.splitlines()
+            if line.startswith("step")]
+  assert len(losses) == 2 and losses[-1] < losses[0]
+
+
+@pytest.mark.cpu_only
+def test_pipeline_example_trains_over_two_devices_like_one_and_ctrl_c_ends_it_in_one_line(env):
+  env = {**env, "JAX_PLATFORMS": "cpu",  # its own 2 CPU devices, whatever ours are
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  args = _ctrl_c("examples.pipeline_1f1b", env, ["--zero-bubble", "--compare", "--steps", "2"],
+                 ("capture", f"capture: {NOTHING_KEPT}"),
+                 ("compare@1", "--compare's training on one device (step 1): it finished the 2 "
+                               "training steps over 2 devices (printed above) and saves no "
+                               "checkpoints"))
+  out = run_example("examples.pipeline_1f1b", env, *args)
+  assert "weights bitwise equal to one device: True" in out
+  assert "captures per layer: [1, 0, 1, 0] compiles: 6" in out
+  losses = [float(line.split("mean loss ")[1]) for line in out.splitlines()
+            if "mean loss" in line]
+  assert len(losses) == 4 and losses[1] < losses[0]
+
+
+def test_linen_mlp_trains_and_ctrl_c_ends_it_in_one_line(capsys, env):
+  args = _ctrl_c("examples.linen_mlp", env, ["--steps", "30"],
+                 ("capture", f"capture: {NOTHING_KEPT}"),
+                 ("training@2", f"training (step 2): {NOTHING_KEPT}"))
+  linen_mlp = importlib.import_module("examples.linen_mlp")
+  result = linen_mlp.main(args)  # in this process: no jax start-up
   assert result["losses"][-1] < result["losses"][0]
   assert "cache hits 1" in capsys.readouterr().out  # the blocks share one capture
