@@ -130,7 +130,7 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     raise ValueError("sequential_vjp prefetches unfused layers only: pass fuse=False (or 1) "
                      "with prefetch=True, or prefetch=False with fuse.")
   if prefetch:
-    runs = prefetch_lib.runs(layers, params_list, 0, len(layers))
+    runs = prefetch_lib.runs(layers, params_list)
   else:
     runs = [(lo, hi, hi - lo > 1) for lo, hi in fusion_lib.runs(layers, longest)]
   steps = []

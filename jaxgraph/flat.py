@@ -134,10 +134,11 @@ def _reshape(value: Any, shape: tuple[int, ...]) -> Any:
   """`value.reshape(shape)`. A value typed reduced or unreduced over Explicit mesh axes (a
   prefetched weight, its gradient: `jaxgraph.prefetch`) is given its result's type: jax
   0.10.2 cannot infer it through a reshape that drops dimensions."""
-  spec = jax.typeof(value).sharding.spec
+  sharding = jax.typeof(value).sharding
+  spec = sharding.spec
   if not (spec.reduced or spec.unreduced):
     return value.reshape(shape)
-  typed = NamedSharding(jax.typeof(value).sharding.mesh,
+  typed = NamedSharding(sharding.mesh,
                         PartitionSpec(reduced=spec.reduced, unreduced=spec.unreduced))
   return jax.lax.reshape(value, shape, out_sharding=typed)
 

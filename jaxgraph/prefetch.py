@@ -218,12 +218,12 @@ def default(params: Any) -> bool:
   return False
 
 
-def runs(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any],
-         lo: int, hi: int) -> list[tuple[int, int, bool]]:
-  """`[lo, hi)` cut into `(start, end, prefetched)` runs: maximal runs of eligible layers of
+def runs(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any]
+         ) -> list[tuple[int, int, bool]]:
+  """`layers` cut into `(start, end, prefetched)` runs: maximal runs of eligible layers of
   one `make_graphed` call whose params share a mesh, and single layers between them."""
   found: list[tuple[int, int, bool]] = []
-  for i in range(lo, hi):
+  for i in range(len(layers)):
     ok = eligible(layers[i], params[i])
     if (ok and found and found[-1][2] and found[-1][1] == i
         and layers[i].config is layers[found[-1][0]].config
@@ -256,14 +256,14 @@ def _zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.A
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
-def _zero_if_float0(grad: Any, spec: jax.ShapeDtypeStruct) -> Any:
+def _zero_if_float0(grad: Any, gathered: jax.Array) -> Any:
   """A gathered buffer's handed-over gradient; zeros where `grad_mask` froze the buffer (its
-  float0 gradient is no cotangent of the gathered buffer the step below returned)."""
+  float0 gradient is no cotangent of the `gathered` buffer the step below returned)."""
   if grad.dtype != jax.dtypes.float0:
     return grad
-  mesh = spec.sharding.mesh
-  unreduced = NamedSharding(mesh, PartitionSpec(unreduced=set(spec.sharding.spec.reduced)))
-  return _zeros(spec.shape, spec.dtype, unreduced)
+  sharding = gathered.sharding
+  unreduced = NamedSharding(sharding.mesh, PartitionSpec(unreduced=set(sharding.spec.reduced)))
+  return _zeros(gathered.shape, gathered.dtype, unreduced)
 
 
 class ChainPullback:
@@ -274,11 +274,11 @@ class ChainPullback:
   """
 
   def __init__(self, pullbacks: list[graphed_lib.Pullback], structures: list[Any],
-               handed_specs: list[Any], twin: explicit_lib.Twin):
+               handed_like: list[Any], twin: explicit_lib.Twin):
     self._pullbacks = pullbacks
     self._twin = twin  # the gradients and the input's cotangent leave on its Auto mesh
     self._structures = structures  # per layer, its params' (a FlatTree's) pytree structure
-    self._handed_specs = handed_specs  # per step, the gathered params it takes (specs)
+    self._handed_like = handed_like  # per step, the gathered params it took (None: first)
 
   @property
   def consumed(self) -> bool:
@@ -300,8 +300,11 @@ class ChainPullback:
       own, upcoming, cotangent = self._pullbacks[j](ct)[:3]
       if upcoming is not None:
         grads[j + 1] = self._to_auto(self._structures[j + 1], upcoming.buffers)
+      # dropped as the backward passes: a step's gathered weights live no longer than its
+      # own pullback keeps them
+      like, self._handed_like[j] = self._handed_like[j], None
       if j:
-        handed = jax.tree.map(_zero_if_float0, own, self._handed_specs[j])
+        handed = jax.tree.map(_zero_if_float0, own, like)
       else:
         grads[0] = self._to_auto(self._structures[0], own.buffers)
     return grads, jax.tree.map(self._twin.to_auto, cotangent)
@@ -369,7 +372,7 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
     config.prefetch[key] = ready
   if not ready:
     return None
-  pullbacks, handed_specs = [], []
+  pullbacks, handed_like = [], []
   gathered: Any = args[0]
   for i, step in enumerate(steps):
     upcoming = (Sharded(params[i + 1].buffers, params[i + 1].layout)
@@ -377,8 +380,8 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
     step_args = (gathered, upcoming, x, *consts)
     out, pullback = (step.vjp(*step_args) if keys is None else
                      step.vjp(*step_args, key=keys[i]))
-    handed_specs.append(_abstract(gathered) if i else None)
+    handed_like.append(gathered if i else None)
     x, gathered = (out, None) if upcoming is None else out
     pullbacks.append(pullback)
   return jax.tree.map(twin.to_auto, x), ChainPullback(
-      pullbacks, [jax.tree.structure(p) for p in params], handed_specs, twin)
+      pullbacks, [jax.tree.structure(p) for p in params], handed_like, twin)
