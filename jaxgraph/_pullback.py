@@ -276,7 +276,7 @@ def note_frozen_grads(name: str, count: int) -> None:
       "trainable, frozen = jaxgraph.partition(params, mask); grads, _ = "
       "jaxgraph.partition(grads, mask); tx.update(grads, opt_state, trainable); params = "
       "jaxgraph.combine(optax.apply_updates(trainable, updates), frozen) "
-      "(docs/semantics.md, 'Gradients only where asked'). Said once per process.",
+      "(docs/grad-mask.md). Said once per process.",
       name, count)
 
 
