@@ -34,7 +34,7 @@ def _signature(obj: object) -> str:
 
 
 def _section(name: str, obj: object, level: str = "##") -> list[str]:
-  if not (inspect.isclass(obj) or callable(obj)):  # a constant: its value is its doc
+  if _is_constant(obj):  # its value is its doc
     return [f"{level} `{name}`", "", f"```python\n{name} = {_value(obj)}\n```", ""]
   doc = inspect.getdoc(obj) or "(no docstring)"
   kind = "class" if inspect.isclass(obj) else "function"
@@ -59,8 +59,12 @@ def _value(obj: object) -> str:
   return repr(obj)
 
 
+def _is_constant(obj: object) -> bool:
+  return not (inspect.isclass(obj) or inspect.ismodule(obj) or callable(obj))
+
+
 def _first_sentence(obj: object) -> str:
-  if not (inspect.isclass(obj) or callable(obj)):
+  if _is_constant(obj):
     return f"`{_value(obj)}`" if len(_value(obj)) < 60 else "a constant"
   doc = (inspect.getdoc(obj) or "").split("\n\n")[0].replace("\n", " ")
   end = doc.find(". ")
