@@ -80,6 +80,8 @@ from examples.llama.layers import (RESIDUAL_POLICIES, Layer, Params, build_layer
 from examples.llama.memory import peak_bytes, state_bytes  # noqa: E402
 from examples.llama.model import Config, Llama  # noqa: E402
 from examples.llama.offload import OffloadChoice, plan_offload  # noqa: E402
+from examples.llama.pipeline import (PipelineTrainer, Stages, build_stage_layers,  # noqa: E402
+                                     plan, stage_report)
 from examples.llama.placement import Placement, fsdp_mesh, shard_threshold  # noqa: E402
 from examples.llama.presets import Preset, model_config, resolve  # noqa: E402
 from examples.llama.throughput import RoundTimer, describe_rates, rate_summary  # noqa: E402
@@ -87,9 +89,16 @@ from examples.llama.trainer import Stepper, Trainer, evaluate, flat_group, optim
 from examples.llama.whole_step import WholeStep, initial_streams  # noqa: E402
 
 
-def announce(args: argparse.Namespace, preset: Preset, mesh: Mesh | None) -> None:
-  """The run's first lines: jax, the platform, the preset; with --fsdp, the mesh."""
+def announce(args: argparse.Namespace, preset: Preset, mesh: Mesh | None,
+             stages: Stages | None) -> None:
+  """The run's first lines: jax, the platform, the preset; with --fsdp, the mesh; with
+  --pipeline, the stages and their order."""
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; preset {args.preset}: {preset}")
+  if stages is not None:
+    print(f"--pipeline {args.pipeline} --schedule {args.schedule or '1f1b'}: {len(stages.sizes)} "
+          f"chunks of {list(stages.sizes)} parts (embedding, blocks, head) on devices "
+          f"{[d.id for d in stages.chunk_devices]}, {preset.microbatches} microbatches; "
+          f"order {stages.order}")
   if mesh is not None:
     print(f"--fsdp {args.fsdp}: params, grads and optimizer state sharded over "
           f"{mesh.size} {jax.devices()[0].platform} devices of {jax.process_count()} "
@@ -151,12 +160,14 @@ class Captured(NamedTuple):
 
 def capture(args: argparse.Namespace, preset: Preset, config: Config,
             fns: Sequence[Callable[..., Any]], params: Params, placement: Placement,
-            policy: Callable[..., bool] | None, tuning: lora.FineTuning) -> Captured:
+            policy: Callable[..., bool] | None, tuning: lora.FineTuning,
+            stages: Stages | None) -> Captured:
   """Training: forward + backward, dropout keys from each layer's stream (not with
   --whole-step, which trains through one jax.jit); with --lora, no gradients for the frozen
   params (`grad_mask`). Eval: a forward-only copy of the same functions without keys
   (dropout off), for the same shapes. With --offload, the blocks measured and the plan made
-  first."""
+  first. With --pipeline, the training layers are captured for the stages, along their
+  order; eval stays on the first device, where the params are."""
   graph_ends = not args.plain_ends
   tokens = jax.ShapeDtypeStruct((preset.batch, preset.context), jnp.int32,
                                 sharding=placement.batch)
@@ -175,6 +186,10 @@ def capture(args: argparse.Namespace, preset: Preset, config: Config,
           f"{offload.link.to_device / 1e9:.1f} GB/s back\n{offload.table()}\n{offload.plan}")
   begin = time.perf_counter()
   train_layers = (None if args.whole_step else
+                  build_stage_layers(fns, params, stages, config, preset.batch, preset.context,
+                                     positions, rng=jax.random.key(args.seed),
+                                     remat_policy=policy)
+                  if stages is not None else
                   build_layers(fns, sample_args, graph_ends=graph_ends,
                                rng=jax.random.key(args.seed), remat_policy=policy,
                                grad_mask=tuning.grad_mask, **placement.hooks(),
@@ -204,10 +219,10 @@ def capture(args: argparse.Namespace, preset: Preset, config: Config,
 def make_step(args: argparse.Namespace, preset: Preset, config: Config,
               fns: Sequence[Callable[..., Any]], params: Params, placement: Placement,
               corpus: Corpus, captured: Captured, policy: Callable[..., bool] | None,
-              tuning: lora.FineTuning) -> tuple[Any, Any, Stepper]:
+              tuning: lora.FineTuning, stages: Stages | None) -> tuple[Any, Any, Stepper]:
   """The optimizer, its state (of the params that train; sharded like the params with
-  --fsdp) and the training step: the graphed `Trainer`, or with --whole-step the
-  `WholeStep`."""
+  --fsdp) and the training step: the graphed `Trainer`, with --pipeline the
+  `PipelineTrainer`, or with --whole-step the `WholeStep`."""
   graph_ends = not args.plain_ends
   tx = optimizer(preset, preset.steps)
   if placement.mesh is None:
@@ -223,6 +238,9 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
                         captured.positions, policy, placement)
     print(f"--whole-step: training through one whole-step jax.jit (compiled in "
           f"{trainer.compile_seconds:.1f} s)")
+  elif stages is not None:
+    trainer = PipelineTrainer(captured.train, config, tx, preset.microbatches, params, opt_state,
+                              stages, captured.positions)
   else:
     trainer = Trainer(captured.train, config, tx, preset.microbatches, params, opt_state,
                       placement, fuse=args.fuse or False, prefetch=args.prefetch,
@@ -356,11 +374,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   command = resume_command("examples.llama.train", sys.argv[1:] if argv is None else argv)
   interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
   preset = resolve(args)
-  check = (preset.check and not args.whole_step) if args.check is None else args.check
+  check = ((preset.check and not args.whole_step and args.pipeline is None)
+           if args.check is None else args.check)
   stop = min(preset.steps, args.stop_after or preset.steps)
   graph_ends = not args.plain_ends
   mesh = fsdp_mesh(args.fsdp)
-  announce(args, preset, mesh)
+  stages = (None if args.pipeline is None else
+            plan(args.pipeline, args.schedule or "1f1b", preset.depth, preset.microbatches))
+  announce(args, preset, mesh, stages)
 
   # The text, the model as layers (model.py knows nothing of them), the params placed.
   corpus, vocabulary = load_text(args, preset, mesh)
@@ -373,10 +394,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   # Capture, then the optimizer and the step; with --fsdp, where everything lives.
   interrupt.point("capture")
-  captured = capture(args, preset, model.config, fns, params, placement, policy, tuning)
+  captured = capture(args, preset, model.config, fns, params, placement, policy, tuning,
+                     stages)
   positions = captured.positions
   tx, opt_state, trainer = make_step(args, preset, model.config, fns, params, placement,
-                                     corpus, captured, policy, tuning)
+                                     corpus, captured, policy, tuning, stages)
   sharded = (None if placement.mesh is None else
              fsdp_report(placement, trainer, params, opt_state, corpus, positions, count))
 
@@ -401,6 +423,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   result = summarize(args, preset, params, losses, eval_losses, first=first, stop=stop,
                      count=count, timer=timer, captured=captured, placement=placement,
                      vocabulary=vocabulary, tuning=tuning)
+  if stages is not None:
+    result["pipeline"] = {"stages": args.pipeline, "schedule": args.schedule or "1f1b",
+                          "order": stages.order,
+                          "per_stage": stage_report(stages, captured.train, params)}
+    for stage in result["pipeline"]["per_stage"]:
+      peak = stage["peak_bytes"]
+      print(f"  stage {stage['stage']} on {stage['device']}: {stage['params']:,} params "
+            f"({', '.join(stage['parts'])}), one microbatch's residuals "
+            f"{stage['residual_bytes'] / 1e9:.3f} GB"
+            + ("" if peak is None else f", peak device memory {peak / 2**30:.2f} GiB"))
 
   if check and stop > first:
     interrupt.point("check")

@@ -1,0 +1,279 @@
+"""--pipeline N: the model split into stages, one device each, trained through
+`jg.schedule.Pipeline` from one Python thread (`PipelineTrainer`); the stages and their order
+(`plan`), the layers graphed for them (`build_stage_layers`), the flags that do not combine
+(`check_flags`) and the per-stage report (`stage_report`). docs/llama-options.md."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxgraph as jg
+from jaxgraph import schedule
+from examples.checkpoints import Streams, stream_positions
+
+from .layers import Batches, Params, graphed
+from .model import Config
+from .trainer import Grads, apply_update
+
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+
+# What each flag that --pipeline refuses does instead (`check_flags`).
+CONFLICTS = {
+    "--fsdp": "shards every part over the devices instead of placing parts on them",
+    "--fuse": "replays the blocks through sequential_vjp, not the pipeline's order",
+    "--offload": "plans its copies for the blocks of one device",
+    "--prefetch": "needs --fsdp",
+    "--whole-step": "trains without graphed layers",
+    "--plain-ends": "leaves the embedding and head outside the graphed layers the pipeline runs",
+    "--lora": "trains a masked part through the one-device Trainer",
+    "--check": "reruns the step on one device in a whole-step jax.jit, not yet wired to stages",
+}
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                microbatches: int, depth: int) -> None:
+  """--pipeline, --schedule: refuses (`parser.error`, one line) what does not combine."""
+  if args.pipeline is None:
+    if args.schedule is not None:
+      parser.error("--schedule orders a pipeline's stages: it needs --pipeline N")
+    return
+  n = args.pipeline
+  if n < 1:
+    parser.error(f"--pipeline takes a number of stages >= 1, got {n}")
+  given = [flag for flag, on in (
+      ("--fsdp", args.fsdp is not None), ("--fuse", bool(args.fuse)),
+      ("--offload", args.offload.kind != "none"), ("--prefetch", bool(args.prefetch)),
+      ("--whole-step", args.whole_step), ("--plain-ends", args.plain_ends),
+      ("--lora", args.lora is not None), ("--check", bool(args.check))) if on]
+  if given:
+    flag = given[0]
+    parser.error(f"--pipeline does not combine with {', '.join(given)} ({flag} "
+                 f"{CONFLICTS[flag]}): drop {'them' if len(given) > 1 else 'it'}")
+  chunks = n * (2 if args.schedule == "interleaved" else 1)
+  if chunks > depth:
+    parser.error(f"--pipeline {n}"
+                 + (" --schedule interleaved" if args.schedule == "interleaved" else "")
+                 + f" splits the {depth} blocks into {chunks} chunks of at least one block "
+                 f"each: pass at most {depth // (chunks // n)} stages")
+  if n > len(jax.devices()):
+    parser.error(f"--pipeline {n} needs {n} devices, found {len(jax.devices())} "
+                 f"({jax.devices()[0].platform}); on CPU XLA_FLAGS="
+                 f"--xla_force_host_platform_device_count={n} gives {n}")
+  try:
+    plan(n, args.schedule or "1f1b", depth, microbatches)
+  except ValueError as e:
+    parser.error(f"--pipeline {n} --schedule {args.schedule} with {microbatches} "
+                 f"microbatches: {e} Pass --microbatches a multiple of {n}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+  """Where each part runs and in what order.
+
+  Attributes:
+    devices: one device per stage (the first N of `jax.devices()`).
+    chunk_devices: one device per chunk: chunk c on stage c % N (interleaved: 2N chunks).
+    sizes: parts (embedding, blocks, head) per chunk: the embedding with the first chunk's
+      blocks, the head with the last's.
+    order: the merged order of every stage (`jg.schedule.merge_ranks`).
+    delay_wgrad: whether the order places deferred weight gradients (zero-bubble).
+  """
+
+  devices: list[jax.Device]
+  chunk_devices: list[jax.Device]
+  sizes: tuple[int, ...]
+  order: list[float]
+  delay_wgrad: bool
+
+  def ranges(self) -> list[range]:
+    """The part indices of each chunk."""
+    return schedule.chunk_ranges(self.sizes)
+
+  def part_devices(self) -> list[jax.Device]:
+    """The device of each part."""
+    return [device for device, parts in zip(self.chunk_devices, self.ranges()) for _ in parts]
+
+
+def plan(stages: int, name: str, depth: int, microbatches: int) -> Stages:
+  """The chunks and the order of `--pipeline stages --schedule name` for `depth` blocks.
+
+  Raises:
+    ValueError: the stage orders of `name` deadlock for these microbatches (merge_ranks).
+  """
+  devices = jax.devices()[:stages]
+  per_rank = 2 if name == "interleaved" else 1
+  chunks = stages * per_rank
+  blocks = [len(part) for part in np.array_split(np.arange(depth), chunks)]
+  sizes = tuple(b + (c == 0) + (c == chunks - 1) for c, b in enumerate(blocks))
+  if name == "interleaved":
+    build = functools.partial(schedule.interleaved_1f1b, microbatches, per_rank)
+  elif name == "zero-bubble":
+    build = functools.partial(schedule.zero_bubble, microbatches)
+  else:
+    build = functools.partial(schedule.one_f_one_b, microbatches)
+  order = schedule.merge_ranks([build(pipeline_parallel_size=stages, rank=r)
+                                for r in range(stages)])
+  return Stages(devices, [devices[c % stages] for c in range(chunks)], sizes, order,
+                name == "zero-bubble")
+
+
+# The pipeline's layers take (params, x) (`jg.schedule.Pipeline`): a block's params are its
+# own and the positions, the activation is (x, targets): the targets ride along to the head,
+# which returns the loss; `loss_of` hands it on.
+
+
+def _embed(fn: Callable[..., Any]) -> Callable[..., Any]:
+  def embed(params: Any, inputs: tuple[jax.Array, jax.Array], **kwargs: Any) -> Any:
+    tokens, targets = inputs
+    return fn(params, tokens, **kwargs), targets
+
+  embed.__name__ = fn.__name__
+  return embed
+
+
+def _block(fn: Callable[..., Any]) -> Callable[..., Any]:
+  def block(params: tuple[Any, jax.Array], inputs: tuple[jax.Array, jax.Array],
+            **kwargs: Any) -> Any:
+    (own, positions), (x, targets) = params, inputs
+    return fn(own, x, positions, **kwargs), targets
+
+  block.__name__ = fn.__name__
+  return block
+
+
+def _head(fn: Callable[..., Any], tied: bool) -> Callable[..., Any]:
+  def head(params: Any, inputs: tuple[jax.Array, jax.Array], **kwargs: Any) -> jax.Array:
+    x, targets = inputs
+    own, *table = params if tied else (params,)
+    return fn(own, x, targets, *table, **kwargs)
+
+  head.__name__ = fn.__name__
+  return head
+
+
+def loss_of(loss: jax.Array, _: None) -> jax.Array:
+  """`Pipeline`'s loss_fn: the head's output is already the microbatch's loss."""
+  return loss
+
+
+def stage_params(params: Params, positions: jax.Array, config: Config) -> list[Any]:
+  """The params of each pipeline layer: the blocks' with the positions, the tied head's with
+  the embedding's (`tie_head`)."""
+  head = (params[-1], params[0]) if config.tie_embeddings else params[-1]
+  return [params[0], *((p, positions) for p in params[1:-1]), head]
+
+
+def build_stage_layers(fns: Sequence[Callable[..., Any]], params: Params, stages: Stages,
+                       config: Config, batch: int, context: int, positions: jax.Array,
+                       **options: Any) -> list[jg.GraphedCallable]:
+  """The parts graphed for the pipeline in one `make_graphed` call (the same key-stream
+  indices as the one-device run's), captured along the order with samples on each part's
+  device."""
+  tied = config.tie_embeddings
+  wrapped = [_embed(fns[0]), *map(_block, fns[1:-1]), _head(fns[-1], tied)]
+  tokens = jax.ShapeDtypeStruct((batch, context), jnp.int32)
+  x = jax.ShapeDtypeStruct((batch, context, config.width), config.compute_dtype)
+  samples = []
+  for i, (p, device) in enumerate(zip(stage_params(params, positions, config),
+                                      stages.part_devices())):
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    carried = (tokens, tokens) if i == 0 else (x, tokens)
+    samples.append(jax.tree.map(
+        lambda a, s=sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (p, carried)))
+  return list(jg.make_graphed(wrapped, sample_args=samples, order=stages.order,
+                              num_layers_per_chunk=list(stages.sizes),
+                              delay_wgrad=stages.delay_wgrad, **options))
+
+
+class PipelineTrainer:
+  """The graphed training step over pipeline stages: `jg.schedule.Pipeline` runs every
+  microbatch's forwards and backwards in the stages' order, each chunk on its device, and
+  sums each part's grads over the microbatches on that device; one AdamW update follows.
+
+  The params and the optimizer state stay on the first stage's device, where the update
+  runs (the same executable as the one-device `Trainer`'s); each step the pipeline copies
+  every part's params to its stage. With tied embeddings the head's share of the
+  embedding's grads is summed over the microbatches apart and added once a step (the
+  one-device step adds it per microbatch: the same terms, another order of float sums).
+  """
+
+  def __init__(self, layers: Sequence[jg.GraphedCallable], config: Config,
+               tx: optax.GradientTransformation, microbatches: int, params: Params,
+               opt_state: Any, stages: Stages, positions: jax.Array):
+    self.layers, self.config, self.microbatches, self.stages = layers, config, microbatches, stages
+    chunks = [[layers[i] for i in parts] for parts in stages.ranges()]
+    self.pipeline = schedule.Pipeline(chunks, stages.order, loss_fn=loss_of,
+                                      devices=stages.chunk_devices)
+    self.positions = {device: jax.device_put(positions, device) for device in stages.devices}
+    like = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    total = (like(params), jax.ShapeDtypeStruct((), jnp.float32))
+    with warnings.catch_warnings():
+      # the loss has no output of its shape to be written into
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      self.apply = jax.jit(functools.partial(apply_update, tx, microbatches),
+                           donate_argnums=(0, 1)).lower(total, like(opt_state),
+                                                        like(params)).compile()
+
+  def grads(self, params: Params, batches: Batches, positions: jax.Array) -> Grads:
+    """The grads and loss summed over `batches` (one (tokens, targets) per microbatch), on
+    the first stage's device."""
+    del positions  # placed on each stage once (`self.positions`)
+    per_layer = [params[0],
+                 *((p, self.positions[device]) for p, device
+                   in zip(params[1:-1], self.stages.part_devices()[1:-1])),
+                 stage_params(params, None, self.config)[-1]]
+    result = self.pipeline([[per_layer[i] for i in parts] for parts in self.stages.ranges()],
+                           list(batches), [None] * len(batches))
+    grads = [layer_grads for chunk in result.grads for layer_grads in chunk]
+    head = grads[-1]
+    if self.config.tie_embeddings:
+      head, table = head
+      grads[0] = jax.tree.map(jnp.add, grads[0], jax.device_put(table, self.stages.devices[0]))
+    grads = [grads[0], *(g for g, _ in grads[1:-1]), head]
+    loss = result.losses[0]
+    for microbatch_loss in result.losses[1:]:
+      loss = loss + microbatch_loss
+    return jax.device_put((grads, loss), self.stages.devices[0])
+
+  def step(self, params: Params, opt_state: Any, batches: Batches, positions: jax.Array
+           ) -> tuple[Params, Any, jax.Array]:
+    """One optimizer step over `batches`: (params, opt_state, mean loss)."""
+    return self.apply(self.grads(params, batches, positions), opt_state, params)
+
+  def streams(self) -> Streams:
+    """The graphed layers' key-stream positions (for a checkpoint)."""
+    return stream_positions(graphed(self.layers))
+
+  def seed(self, streams: Streams) -> None:
+    """Sets the graphed layers' key streams (from a checkpoint)."""
+    for layer, (base, counter) in zip(graphed(self.layers), streams):
+      layer.seed(base, counter=counter)
+
+
+def stage_report(stages: Stages, layers: Sequence[jg.GraphedCallable], params: Params
+                 ) -> list[dict[str, Any]]:
+  """Per stage: its device, parts, params, the residuals one microbatch's forwards keep
+  (`Stats.residual_bytes`) and the device's peak memory where it keeps statistics (GPUs)."""
+  counts = [sum(x.size for x in jax.tree.leaves(p)) for p in params]
+  report = []
+  for s, device in enumerate(stages.devices):
+    parts = [i for i, d in enumerate(stages.part_devices()) if d == device]
+    memory = device.memory_stats() or {}
+    report.append({
+        "stage": s, "device": str(device),
+        "parts": [layers[i].name for i in parts],
+        "params": sum(counts[i] for i in parts),
+        "residual_bytes": sum(layers[i].stats.residual_bytes for i in parts),
+        "peak_bytes": memory.get("peak_bytes_in_use"),
+    })
+  return report
