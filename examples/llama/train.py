@@ -19,6 +19,8 @@
                         # each batch split over them; --check's whole step sharded alike
   ... --fsdp 8 --coordinator HOST:PORT --num-processes 2 --process-id I
                         # one of 2 processes of one run (jax.distributed); docs/fsdp.md
+  ... --pipeline 2 --schedule 1f1b|interleaved|zero-bubble --microbatches 8
+                        # 2 stages on 2 devices, driven by jg.schedule.Pipeline
   ... --context 8192 --batch 2 --vocab 8192 --text stdlib   # tokens per sequence, vocabulary
   ... --offload slowdown=5%   # the blocks' residuals in host memory as jaxgraph.offload.plan
                               # picks them (also: all, memory=4GiB); docs/llama.md
