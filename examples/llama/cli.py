@@ -209,7 +209,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   check_fine_tuning(parser, args, preset)
   check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   check_fsdp(parser, args, preset)
-  check_pipeline(parser, args, preset.microbatches, preset.depth)
+  check_pipeline(parser, args, preset.depth)
   if args.resume:
     check_resume(parser, args.out, run_config(args, preset), preset.steps,
                  min(preset.steps, args.stop_after or preset.steps), shown=shown_config,

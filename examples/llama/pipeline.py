@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -31,16 +32,14 @@ CONFLICTS = {
     "--fsdp": "shards every part over the devices instead of placing parts on them",
     "--fuse": "replays the blocks through sequential_vjp, not the pipeline's order",
     "--offload": "plans its copies for the blocks of one device",
-    "--prefetch": "needs --fsdp",
+    "--prefetch": "gathers the next block's FSDP shards",
     "--whole-step": "trains without graphed layers",
     "--plain-ends": "leaves the embedding and head outside the graphed layers the pipeline runs",
     "--lora": "trains a masked part through the one-device Trainer",
-    "--check": "reruns the step on one device in a whole-step jax.jit, not yet wired to stages",
 }
 
 
-def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                microbatches: int, depth: int) -> None:
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, depth: int) -> None:
   """--pipeline, --schedule: refuses (`parser.error`, one line) what does not combine."""
   if args.pipeline is None:
     if args.schedule is not None:
@@ -53,7 +52,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
       ("--fsdp", args.fsdp is not None), ("--fuse", bool(args.fuse)),
       ("--offload", args.offload.kind != "none"), ("--prefetch", bool(args.prefetch)),
       ("--whole-step", args.whole_step), ("--plain-ends", args.plain_ends),
-      ("--lora", args.lora is not None), ("--check", bool(args.check))) if on]
+      ("--lora", args.lora is not None)) if on]
   if given:
     flag = given[0]
     parser.error(f"--pipeline does not combine with {', '.join(given)} ({flag} "
@@ -68,11 +67,6 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
     parser.error(f"--pipeline {n} needs {n} devices, found {len(jax.devices())} "
                  f"({jax.devices()[0].platform}); on CPU XLA_FLAGS="
                  f"--xla_force_host_platform_device_count={n} gives {n}")
-  try:
-    plan(n, args.schedule or "1f1b", depth, microbatches)
-  except ValueError as e:
-    parser.error(f"--pipeline {n} --schedule {args.schedule} with {microbatches} "
-                 f"microbatches: {e} Pass --microbatches a multiple of {n}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +90,8 @@ class Stages:
 
   def ranges(self) -> list[range]:
     """The part indices of each chunk."""
-    return schedule.chunk_ranges(self.sizes)
+    ends = itertools.accumulate(self.sizes)
+    return [range(end - size, end) for size, end in zip(self.sizes, ends)]
 
   def part_devices(self) -> list[jax.Device]:
     """The device of each part."""
@@ -104,11 +99,8 @@ class Stages:
 
 
 def plan(stages: int, name: str, depth: int, microbatches: int) -> Stages:
-  """The chunks and the order of `--pipeline stages --schedule name` for `depth` blocks.
-
-  Raises:
-    ValueError: the stage orders of `name` deadlock for these microbatches (merge_ranks).
-  """
+  """The chunks and the order of `--pipeline stages --schedule name` for `depth` blocks and
+  `microbatches` a step (every count merges: the builders' default microbatch groups)."""
   devices = jax.devices()[:stages]
   per_rank = 2 if name == "interleaved" else 1
   chunks = stages * per_rank
@@ -165,11 +157,11 @@ def loss_of(loss: jax.Array, _: None) -> jax.Array:
   return loss
 
 
-def stage_params(params: Params, positions: jax.Array, config: Config) -> list[Any]:
-  """The params of each pipeline layer: the blocks' with the positions, the tied head's with
-  the embedding's (`tie_head`)."""
+def stage_params(params: Params, positions: Sequence[jax.Array], config: Config) -> list[Any]:
+  """The params of each pipeline layer: each block's with its positions (one per block),
+  the tied head's with the embedding's (`tie_head`)."""
   head = (params[-1], params[0]) if config.tie_embeddings else params[-1]
-  return [params[0], *((p, positions) for p in params[1:-1]), head]
+  return [params[0], *zip(params[1:-1], positions), head]
 
 
 def build_stage_layers(fns: Sequence[Callable[..., Any]], params: Params, stages: Stages,
@@ -183,8 +175,8 @@ def build_stage_layers(fns: Sequence[Callable[..., Any]], params: Params, stages
   tokens = jax.ShapeDtypeStruct((batch, context), jnp.int32)
   x = jax.ShapeDtypeStruct((batch, context, config.width), config.compute_dtype)
   samples = []
-  for i, (p, device) in enumerate(zip(stage_params(params, positions, config),
-                                      stages.part_devices())):
+  per_layer = stage_params(params, [positions] * (len(params) - 2), config)
+  for i, (p, device) in enumerate(zip(per_layer, stages.part_devices())):
     sharding = jax.sharding.SingleDeviceSharding(device)
     carried = (tokens, tokens) if i == 0 else (x, tokens)
     samples.append(jax.tree.map(
@@ -228,10 +220,8 @@ class PipelineTrainer:
     """The grads and loss summed over `batches` (one (tokens, targets) per microbatch), on
     the first stage's device."""
     del positions  # placed on each stage once (`self.positions`)
-    per_layer = [params[0],
-                 *((p, self.positions[device]) for p, device
-                   in zip(params[1:-1], self.stages.part_devices()[1:-1])),
-                 stage_params(params, None, self.config)[-1]]
+    per_layer = stage_params(params, [self.positions[device] for device
+                                      in self.stages.part_devices()[1:-1]], self.config)
     result = self.pipeline([[per_layer[i] for i in parts] for parts in self.stages.ranges()],
                            list(batches), [None] * len(batches))
     grads = [layer_grads for chunk in result.grads for layer_grads in chunk]

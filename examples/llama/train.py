@@ -376,8 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   command = resume_command("examples.llama.train", sys.argv[1:] if argv is None else argv)
   interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
   preset = resolve(args)
-  check = ((preset.check and not args.whole_step and args.pipeline is None)
-           if args.check is None else args.check)
+  check = (preset.check and not args.whole_step) if args.check is None else args.check
   stop = min(preset.steps, args.stop_after or preset.steps)
   graph_ends = not args.plain_ends
   mesh = fsdp_mesh(args.fsdp)
