@@ -153,8 +153,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                       help="pipeline parallelism: the blocks split into N contiguous stages, "
                            "one device each (the first N), the embedding with the first and "
                            "the head with the last, driven from this one Python thread by "
-                           "jg.schedule.Pipeline over the --microbatches; the optimizer "
-                           "update on the first device (docs/llama-options.md)")
+                           "jg.schedule.Pipeline over the --microbatches; each stage "
+                           "updates its own params (docs/llama-options.md)")
   parser.add_argument("--schedule", choices=SCHEDULES,
                       help="with --pipeline: the stages' order: '1f1b' (default), "
                            "'interleaved' (2N chunks, chunk c on stage c %% N), 'zero-bubble' "

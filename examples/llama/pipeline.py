@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import warnings
+import operator
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,7 +23,7 @@ from examples.checkpoints import Streams, stream_positions
 
 from .layers import Batches, Params, graphed
 from .model import Config
-from .trainer import Grads, apply_update
+from .trainer import CLIP_NORM, Grads
 
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
 
@@ -96,6 +96,19 @@ class Stages:
   def part_devices(self) -> list[jax.Device]:
     """The device of each part."""
     return [device for device, parts in zip(self.chunk_devices, self.ranges()) for _ in parts]
+
+  def stage_parts(self) -> list[list[int]]:
+    """The part indices of each stage."""
+    devices = self.part_devices()
+    return [[i for i, d in enumerate(devices) if d == device] for device in self.devices]
+
+  def place(self, params: Params) -> Params:
+    """Each part's params on its stage's device."""
+    return [jax.device_put(p, device) for p, device in zip(params, self.part_devices())]
+
+  def gather(self, params: Params) -> Params:
+    """The params on the first device (for the eval layers and generation, captured there)."""
+    return jax.device_put(params, self.devices[0])
 
 
 def plan(stages: int, name: str, depth: int, microbatches: int) -> Stages:
@@ -186,39 +199,67 @@ def build_stage_layers(fns: Sequence[Callable[..., Any]], params: Params, stages
                               delay_wgrad=stages.delay_wgrad, **options))
 
 
+def square_sums(microbatches: int, grads: list[Any]) -> list[list[jax.Array]]:
+  """Per part, per leaf: the sum of squares of the mean grads (the terms of the global norm,
+  as `optax.tree.norm` forms them)."""
+  return [[jnp.sum(jnp.square(g / microbatches)) for g in jax.tree.leaves(part)]
+          for part in grads]
+
+
+def global_norm(sums: list[jax.Array]) -> jax.Array:
+  """The global norm from its terms, added in leaf order as `optax.tree.norm` adds them."""
+  return jnp.sqrt(functools.reduce(operator.add, sums, 0))
+
+
+def stage_update(tx: optax.GradientTransformation, microbatches: int, total: list[Any],
+                 state: Any, params: list[Any], norm: jax.Array) -> tuple[list[Any], Any]:
+  """One stage's part of `apply_update`: its mean grads clipped to the global `norm` as
+  `optax.clip_by_global_norm(CLIP_NORM)` clips them, then `tx` (the AdamW after the clip)."""
+  grads = jax.tree.map(lambda t: t / microbatches, total)
+  within = jnp.squeeze(norm < CLIP_NORM)
+  grads = jax.tree.map(
+      lambda t: jax.lax.select(within, t, (t / norm.astype(t.dtype)) * CLIP_NORM), grads)
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
 class PipelineTrainer:
   """The graphed training step over pipeline stages: `jg.schedule.Pipeline` runs every
   microbatch's forwards and backwards in the stages' order, each chunk on its device, and
-  sums each part's grads over the microbatches on that device; one AdamW update follows.
+  sums each part's grads over the microbatches on that device; then each stage updates its
+  own parts' params and AdamW moments on its device.
 
-  The params and the optimizer state stay on the first stage's device, where the update
-  runs (the same executable as the one-device `Trainer`'s); each step the pipeline copies
-  every part's params to its stage. With tied embeddings the head's share of the
-  embedding's grads is summed over the microbatches apart and added once a step (the
-  one-device step adds it per microbatch: the same terms, another order of float sums).
+  The params and the optimizer state keep the one-device layout (`optimizer`'s state:
+  the clip's, then AdamW's with one entry per part), each part's arrays on its stage's
+  device (`Stages.place`; the step counts on the first device). The global-norm clip needs
+  every part's grads: each stage sums the squares of its own, the sums meet on the first
+  device, in leaf order as optax adds them, and the norm goes back to every stage. On the CPU
+  the update is bitwise the one-device `apply_update`'s. With tied embeddings the head's
+  share of the embedding's grads is summed over the microbatches apart and added once a
+  step (the one-device step adds it per microbatch: the same terms, another order of float
+  sums).
   """
 
   def __init__(self, layers: Sequence[jg.GraphedCallable], config: Config,
-               tx: optax.GradientTransformation, microbatches: int, params: Params,
-               opt_state: Any, stages: Stages, positions: jax.Array):
-    self.layers, self.config, self.microbatches, self.stages = layers, config, microbatches, stages
+               tx: optax.GradientTransformation, microbatches: int, stages: Stages,
+               positions: jax.Array):
+    """`tx`: the AdamW after the clip (`trainer.adamw`)."""
+    self.layers, self.config, self.microbatches = layers, config, microbatches
+    self.stages = stages
     chunks = [[layers[i] for i in parts] for parts in stages.ranges()]
     self.pipeline = schedule.Pipeline(chunks, stages.order, loss_fn=loss_of,
                                       devices=stages.chunk_devices)
     self.positions = {device: jax.device_put(positions, device) for device in stages.devices}
-    like = lambda tree: jax.tree.map(  # noqa: E731
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-    total = (like(params), jax.ShapeDtypeStruct((), jnp.float32))
-    with warnings.catch_warnings():
-      # the loss has no output of its shape to be written into
-      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      self.apply = jax.jit(functools.partial(apply_update, tx, microbatches),
-                           donate_argnums=(0, 1)).lower(total, like(opt_state),
-                                                        like(params)).compile()
+    self.parts = stages.stage_parts()
+    self._sums = jax.jit(functools.partial(square_sums, microbatches))
+    self._norm = jax.jit(global_norm)
+    # The summed grads' buffers become the new params, the state's the new state.
+    self._update = jax.jit(functools.partial(stage_update, tx, microbatches),
+                           donate_argnums=(0, 1))
 
   def grads(self, params: Params, batches: Batches, positions: jax.Array) -> Grads:
-    """The grads and loss summed over `batches` (one (tokens, targets) per microbatch), on
-    the first stage's device."""
+    """The grads (each part's on its stage) and the loss summed over `batches` (one
+    (tokens, targets) per microbatch)."""
     del positions  # placed on each stage once (`self.positions`)
     per_layer = stage_params(params, [self.positions[device] for device
                                       in self.stages.part_devices()[1:-1]], self.config)
@@ -233,12 +274,48 @@ class PipelineTrainer:
     loss = result.losses[0]
     for microbatch_loss in result.losses[1:]:
       loss = loss + microbatch_loss
-    return jax.device_put((grads, loss), self.stages.devices[0])
+    return grads, loss
 
   def step(self, params: Params, opt_state: Any, batches: Batches, positions: jax.Array
            ) -> tuple[Params, Any, jax.Array]:
     """One optimizer step over `batches`: (params, opt_state, mean loss)."""
-    return self.apply(self.grads(params, batches, positions), opt_state, params)
+    grads, loss = self.grads(params, batches, positions)
+    first = self.stages.devices[0]
+    sums: list[Any] = [None] * len(params)
+    for parts in self.parts:
+      for i, part_sums in zip(parts, self._sums([grads[i] for i in parts])):
+        sums[i] = part_sums
+    norm = self._norm(jax.device_put([x for part in sums for x in part], first))
+    clip_state, states = opt_state[0], self.split_state(opt_state[1])
+    params = list(params)
+    for s, (parts, device) in enumerate(zip(self.parts, self.stages.devices)):
+      updated, states[s] = self._update([grads[i] for i in parts], states[s],
+                                        [params[i] for i in parts], jax.device_put(norm, device))
+      for i, p in zip(parts, updated):
+        params[i] = p
+    return params, (clip_state, self.join_state(states, len(params))), loss / self.microbatches
+
+  def split_state(self, state: Any) -> list[Any]:
+    """AdamW's state per stage: of each per-part list (the moments) the stage's parts, the
+    rest (step counts) copied to the stage's device."""
+    count = len(self.stages.part_devices())
+    per_part = lambda x: isinstance(x, list) and len(x) == count  # noqa: E731
+    return [jax.tree.map(lambda x, p=parts, d=device: [x[i] for i in p] if per_part(x)
+                         else jax.device_put(x, d), state, is_leaf=per_part)
+            for parts, device in zip(self.parts, self.stages.devices)]
+
+  def join_state(self, states: list[Any], count: int) -> Any:
+    """`split_state` undone: the per-part lists whole again, the first stage's counts."""
+    def join(*pieces: Any) -> Any:
+      if not isinstance(pieces[0], list):
+        return pieces[0]
+      whole: list[Any] = [None] * count
+      for parts, piece in zip(self.parts, pieces):
+        for i, x in zip(parts, piece):
+          whole[i] = x
+      return whole
+
+    return jax.tree.map(join, *states, is_leaf=lambda x: isinstance(x, list))
 
   def streams(self) -> Streams:
     """The graphed layers' key-stream positions (for a checkpoint)."""
@@ -256,8 +333,7 @@ def stage_report(stages: Stages, layers: Sequence[jg.GraphedCallable], params: P
   (`Stats.residual_bytes`) and the device's peak memory where it keeps statistics (GPUs)."""
   counts = [sum(x.size for x in jax.tree.leaves(p)) for p in params]
   report = []
-  for s, device in enumerate(stages.devices):
-    parts = [i for i, d in enumerate(stages.part_devices()) if d == device]
+  for s, (device, parts) in enumerate(zip(stages.devices, stages.stage_parts())):
     memory = device.memory_stats() or {}
     report.append({
         "stage": s, "device": str(device),

@@ -87,7 +87,8 @@ from examples.llama.pipeline import (PipelineTrainer, Stages, build_stage_layers
 from examples.llama.placement import Placement, fsdp_mesh, shard_threshold  # noqa: E402
 from examples.llama.presets import Preset, model_config, resolve  # noqa: E402
 from examples.llama.throughput import RoundTimer, describe_rates, rate_summary  # noqa: E402
-from examples.llama.trainer import Stepper, Trainer, evaluate, flat_group, optimizer  # noqa: E402
+from examples.llama.trainer import (Stepper, Trainer, adamw, evaluate, flat_group,  # noqa: E402
+                                    optimizer)
 from examples.llama.whole_step import WholeStep, initial_streams  # noqa: E402
 
 
@@ -169,7 +170,7 @@ def capture(args: argparse.Namespace, preset: Preset, config: Config,
   params (`grad_mask`). Eval: a forward-only copy of the same functions without keys
   (dropout off), for the same shapes. With --offload, the blocks measured and the plan made
   first. With --pipeline, the training layers are captured for the stages, along their
-  order; eval stays on the first device, where the params are."""
+  order; eval stays on the first device (the params gathered there to evaluate)."""
   graph_ends = not args.plain_ends
   tokens = jax.ShapeDtypeStruct((preset.batch, preset.context), jnp.int32,
                                 sharding=placement.batch)
@@ -241,8 +242,8 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
     print(f"--whole-step: training through one whole-step jax.jit (compiled in "
           f"{trainer.compile_seconds:.1f} s)")
   elif stages is not None:
-    trainer = PipelineTrainer(captured.train, config, tx, preset.microbatches, params, opt_state,
-                              stages, captured.positions)
+    trainer = PipelineTrainer(captured.train, config, adamw(preset, preset.steps),
+                              preset.microbatches, stages, captured.positions)
   else:
     trainer = Trainer(captured.train, config, tx, preset.microbatches, params, opt_state,
                       placement, fuse=args.fuse or False, prefetch=args.prefetch,
@@ -253,21 +254,26 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
 def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[float],
                 eval_losses: list[tuple[int, float]], *, first: int, stop: int,
                 preset: Preset, config: Config, corpus: Corpus, captured: Captured,
-                checkpoints: Checkpoints, meta: dict[str, Any], out: pathlib.Path
-                ) -> tuple[Params, Any, RoundTimer]:
+                checkpoints: Checkpoints, meta: dict[str, Any], out: pathlib.Path,
+                stages: Stages | None) -> tuple[Params, Any, RoundTimer]:
   """Steps `first + 1` to `stop`: a held-out loss every `eval_every` steps, a checkpoint
   every `checkpoint_every` and at `stop` (with metrics.json of the history so far).
 
   Losses stay on the device until a round ends or an eval or checkpoint reads them;
   tokens/s is measured per round of steps, without eval and checkpoint time (the timer).
   `losses` and `eval_losses` (step, held-out loss) grow in place; a fine-tuning run's start
-  gets a held-out loss too (step 0: the loaded model's).
+  gets a held-out loss too (step 0: the loaded model's). With --pipeline (`stages`) the
+  eval layers run on the first device, the params gathered there.
   """
   total, positions = preset.steps, captured.positions
+
+  def held_out(params: Params) -> float:
+    gathered = params if stages is None else stages.gather(params)
+    return evaluate(captured.eval, gathered, config, corpus, preset.eval_batches, positions)
+
   if first == 0 and "fine_tuning" in meta:
     interrupt.point("evaluation", 0)
-    eval_losses.append((0, evaluate(captured.eval, params, config, corpus,
-                                    preset.eval_batches, positions)))
+    eval_losses.append((0, held_out(params)))
   metrics_path = out / "metrics.json"
   writer = jax.process_index() == 0  # metrics.json and loss.png: one process writes them
   tokens_per_step = preset.microbatches * preset.batch * preset.context
@@ -293,8 +299,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
                     tok_s=f"{timer.rates[-1]:,.0f}" if timer.rates else "(warm-up)")
     if evaluate_now:
       interrupt.point("evaluation", step)
-      eval_losses.append((step, evaluate(captured.eval, params, config, corpus,
-                                         preset.eval_batches, positions)))
+      eval_losses.append((step, held_out(params)))
       bar.write(f"step {step:>5}: train loss {losses[-1]:.4f}, held-out loss "
                 f"{eval_losses[-1][1]:.4f}")
     if save:
@@ -397,6 +402,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   interrupt.point("capture")
   captured = capture(args, preset, model.config, fns, params, placement, policy, tuning,
                      stages)
+  if stages is not None:  # each part on its stage, the eval layers captured on the first
+    params = stages.place(params)
   positions = captured.positions
   tx, opt_state, trainer = make_step(args, preset, model.config, fns, params, placement,
                                      corpus, captured, policy, tuning, stages)
@@ -420,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   params, opt_state, timer = train_steps(
       trainer, params, opt_state, losses, eval_losses, first=first, stop=stop, preset=preset,
       config=model.config, corpus=corpus, captured=captured, checkpoints=checkpoints,
-      meta=metadata(args, preset, vocabulary, tuning.meta), out=args.out)
+      meta=metadata(args, preset, vocabulary, tuning.meta), out=args.out, stages=stages)
   result = summarize(args, preset, params, losses, eval_losses, first=first, stop=stop,
                      count=count, timer=timer, captured=captured, placement=placement,
                      vocabulary=vocabulary, tuning=tuning)
@@ -460,7 +467,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.generate:
     interrupt.point("generation")
     # One sequence: generated on one device (per process), from the params gathered whole.
-    result["generation"] = write_sample(model, fns, placement.local(params), corpus,
+    local = placement.local(params) if stages is None else stages.gather(params)
+    result["generation"] = write_sample(model, fns, local, corpus,
                                         graph_ends, min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
     write_metrics(args.out, result, checkpoints)
