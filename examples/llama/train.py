@@ -163,8 +163,8 @@ class Captured(NamedTuple):
 
 def capture(args: argparse.Namespace, preset: Preset, config: Config,
             fns: Sequence[Callable[..., Any]], params: Params, placement: Placement,
-            policy: Callable[..., bool] | None, tuning: lora.FineTuning,
-            stages: Stages | None) -> Captured:
+            policy: Callable[..., bool] | None, tuning: lora.FineTuning, *,
+            stages: Stages | None = None) -> Captured:
   """Training: forward + backward, dropout keys from each layer's stream (not with
   --whole-step, which trains through one jax.jit); with --lora, no gradients for the frozen
   params (`grad_mask`). Eval: a forward-only copy of the same functions without keys
@@ -222,7 +222,8 @@ def capture(args: argparse.Namespace, preset: Preset, config: Config,
 def make_step(args: argparse.Namespace, preset: Preset, config: Config,
               fns: Sequence[Callable[..., Any]], params: Params, placement: Placement,
               corpus: Corpus, captured: Captured, policy: Callable[..., bool] | None,
-              tuning: lora.FineTuning, stages: Stages | None) -> tuple[Any, Any, Stepper]:
+              tuning: lora.FineTuning, *, stages: Stages | None = None
+              ) -> tuple[Any, Any, Stepper]:
   """The optimizer, its state (of the params that train; sharded like the params with
   --fsdp) and the training step: the graphed `Trainer`, with --pipeline the
   `PipelineTrainer`, or with --whole-step the `WholeStep`."""
@@ -255,7 +256,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
                 eval_losses: list[tuple[int, float]], *, first: int, stop: int,
                 preset: Preset, config: Config, corpus: Corpus, captured: Captured,
                 checkpoints: Checkpoints, meta: dict[str, Any], out: pathlib.Path,
-                stages: Stages | None) -> tuple[Params, Any, RoundTimer]:
+                stages: Stages | None = None) -> tuple[Params, Any, RoundTimer]:
   """Steps `first + 1` to `stop`: a held-out loss every `eval_every` steps, a checkpoint
   every `checkpoint_every` and at `stop` (with metrics.json of the history so far).
 
@@ -401,12 +402,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   # Capture, then the optimizer and the step; with --fsdp, where everything lives.
   interrupt.point("capture")
   captured = capture(args, preset, model.config, fns, params, placement, policy, tuning,
-                     stages)
+                     stages=stages)
   if stages is not None:  # each part on its stage, the eval layers captured on the first
     params = stages.place(params)
   positions = captured.positions
   tx, opt_state, trainer = make_step(args, preset, model.config, fns, params, placement,
-                                     corpus, captured, policy, tuning, stages)
+                                     corpus, captured, policy, tuning, stages=stages)
   sharded = (None if placement.mesh is None else
              fsdp_report(placement, trainer, params, opt_state, corpus, positions, count))
 
