@@ -193,13 +193,19 @@ def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
     (["--stop-after", "13"], r"--stop-after 13 is past the run's last step \(--steps 12\): "
                              "pass a --stop-after of at most 12"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints takes a number >= 1"),
+    (["--pipeline", "2", "--fsdp", "2", "--fuse"],
+     r"--pipeline does not combine with --fsdp, --fuse \(--fsdp shards .*\): drop them"),
+    (["--schedule", "zero-bubble"], "--schedule orders a pipeline's stages: it needs --pipeline"),
+    (["--pipeline", "2", "--schedule", "interleaved"],
+     "splits the 2 blocks into 4 chunks of at least one block each: pass at most 1 stages"),
 ], ids=["seed", "dropout", "negative_dropout", "generate", "temperature", "rounds",
         "round_steps", "whole_step_check", "whole_step_fuse", "fuse_zero", "fuse_word",
         "cudnn_float32", "batch", "fsdp_zero", "fsdp_batch",
         "fsdp_no_flat", "fsdp_devices", "coordinator_alone", "processes_without_fsdp",
         "process_id", "context", "vocab", "offload_spelling", "offload_unit",
         "offload_slowdown", "offload_whole_step", "offload_fuse", "offload_fsdp",
-        "stop_after_past_steps", "keep_checkpoints"])
+        "stop_after_past_steps", "keep_checkpoints", "pipeline_fsdp_fuse",
+        "schedule_alone", "pipeline_interleaved_depth"])
 def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):
   with pytest.raises(SystemExit) as exit:
     llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path), *flags])

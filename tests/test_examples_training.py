@@ -137,15 +137,38 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   # Resume (with the FlatTree params and optimizer state restored by Orbax) from the step-10
   # checkpoint of that run: one run fewer than stopping a second run at a step. Step 12 has
   # 8 flipped bytes (it reads, and would train on wrong values): its digests reject it.
+  # Resumed by 2 pipeline stages (zero-bubble: split backwards, deferred weight gradients):
+  # a one-device checkpoint, the same steps bit for bit.
   shutil.copytree(whole, parts)
   flip_bytes(parts / "checkpoints" / "12")
-  out = run_example("examples.llama.train", env, *common, "--out", str(parts), "--resume")
+  pipeline = (["--pipeline", "2", "--schedule", "zero-bubble"]
+              if jax.default_backend() == "cpu" else [])  # 8 virtual CPU devices
+  out = run_example("examples.llama.train", env, *common, "--out", str(parts), "--resume",
+                    *pipeline)
   assert "checkpoint step 12 in" in out and "does not match its digests" in out
   assert "resumed from step 10" in out
+  assert not pipeline or "--pipeline 2 --schedule zero-bubble: 2 chunks of [2, 2] parts" in out
   assert (parts / "checkpoints-rejected" / "12").is_dir()
   resumed = json.loads((parts / "metrics.json").read_text())
   assert resumed["losses"] == losses and resumed["eval_losses"] == metrics["eval_losses"]
   assert resumed["params_sha256"] == metrics["params_sha256"]
+
+  # By 2 stages from step 1: bitwise the one-device run (tied embeddings: the head's share
+  # of the embedding's grads is summed apart, in another order, which matched here). Per
+  # stage: its parts, params and residuals.
+  if pipeline:
+    piped = tmp_path / "piped"
+    run_example("examples.llama.train", env, *common, "--out", str(piped), *pipeline)
+    piped_metrics = json.loads((piped / "metrics.json").read_text())
+    assert piped_metrics["losses"] == losses and piped_metrics["eval_losses"] == metrics[
+        "eval_losses"]
+    assert piped_metrics["params_sha256"] == metrics["params_sha256"]
+    stages = piped_metrics["pipeline"]["per_stage"]
+    assert [stage["parts"] for stage in stages] == [["Embed[0]", "Block[1]"],
+                                                     ["Block[2]", "Head[3]"]]
+    assert sum(stage["params"] for stage in stages) == piped_metrics["params"]
+    assert len({stage["device"] for stage in stages}) == 2
+    assert all(stage["residual_bytes"] > 0 for stage in stages)
 
   # --offload memory=0: every kept buffer of every block waits in pinned host memory between
   # its forward and backward (the plan for a budget of 0 bytes): the same run, bit for bit.

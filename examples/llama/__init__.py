@@ -6,6 +6,7 @@
   layers.py       the model as graphed layers: split, tied head, make_graphed calls
   placement.py    where the state lives: one device or an --fsdp mesh; multi-process start
   fsdp_report.py  --fsdp: where each array lives, the collectives of each executable
+  pipeline.py     --pipeline: stages, their order, the step through jg.schedule.Pipeline
   trainer.py      the graphed step (Trainer), the optimizer, the held-out loss
   whole_step.py   the same step as one whole-step jax.jit (--whole-step, --check)
   check.py        --check: the rerun, its comparison and report

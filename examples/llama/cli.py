@@ -13,6 +13,7 @@ from .checkpoints import check_vocabulary, run_config, shown_config
 from .lora import check_flags as check_fine_tuning
 from .layers import RESIDUAL_POLICIES
 from .offload import OFFLOAD_CONFLICTS, OffloadSpec, offload_spec
+from .pipeline import SCHEDULES, check_flags as check_pipeline
 from .placement import check_fsdp
 from .presets import PRESETS, resolve
 
@@ -148,6 +149,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                            "--process-id); every process runs the same command but its id")
   parser.add_argument("--num-processes", type=int, help="with --coordinator")
   parser.add_argument("--process-id", type=int, help="with --coordinator: 0, 1, ...")
+  parser.add_argument("--pipeline", type=int, metavar="N",
+                      help="pipeline parallelism: the blocks split into N contiguous stages, "
+                           "one device each (the first N), the embedding with the first and "
+                           "the head with the last, driven from this one Python thread by "
+                           "jg.schedule.Pipeline over the --microbatches; each stage "
+                           "updates its own params (docs/llama-options.md)")
+  parser.add_argument("--schedule", choices=SCHEDULES,
+                      help="with --pipeline: the stages' order: '1f1b' (default), "
+                           "'interleaved' (2N chunks, chunk c on stage c %% N), 'zero-bubble' "
+                           "(each backward split, weight gradients deferred)")
   args = parser.parse_args(argv)
   for name in ("steps", "stop_after", "microbatches", "batch", "rounds", "round_steps",
                "context"):
@@ -198,6 +209,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   check_fine_tuning(parser, args, preset)
   check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
   check_fsdp(parser, args, preset)
+  check_pipeline(parser, args, preset.depth)
   if args.resume:
     check_resume(parser, args.out, run_config(args, preset), preset.steps,
                  min(preset.steps, args.stop_after or preset.steps), shown=shown_config,

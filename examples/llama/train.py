@@ -19,6 +19,8 @@
                         # each batch split over them; --check's whole step sharded alike
   ... --fsdp 8 --coordinator HOST:PORT --num-processes 2 --process-id I
                         # one of 2 processes of one run (jax.distributed); docs/fsdp.md
+  ... --pipeline 2 --schedule 1f1b|interleaved|zero-bubble --microbatches 8
+                        # 2 stages on 2 devices, driven by jg.schedule.Pipeline
   ... --context 8192 --batch 2 --vocab 8192 --text stdlib   # tokens per sequence, vocabulary
   ... --offload slowdown=5%   # the blocks' residuals in host memory as jaxgraph.offload.plan
                               # picks them (also: all, memory=4GiB); docs/llama.md
@@ -80,16 +82,26 @@ from examples.llama.layers import (RESIDUAL_POLICIES, Layer, Params, build_layer
 from examples.llama.memory import peak_bytes, state_bytes  # noqa: E402
 from examples.llama.model import Config, Llama  # noqa: E402
 from examples.llama.offload import OffloadChoice, plan_offload  # noqa: E402
+from examples.llama.pipeline import (PipelineTrainer, Stages, build_stage_layers,  # noqa: E402
+                                     plan, stage_report)
 from examples.llama.placement import Placement, fsdp_mesh, shard_threshold  # noqa: E402
 from examples.llama.presets import Preset, model_config, resolve  # noqa: E402
 from examples.llama.throughput import RoundTimer, describe_rates, rate_summary  # noqa: E402
-from examples.llama.trainer import Stepper, Trainer, evaluate, flat_group, optimizer  # noqa: E402
+from examples.llama.trainer import (Stepper, Trainer, adamw, evaluate, flat_group,  # noqa: E402
+                                    optimizer)
 from examples.llama.whole_step import WholeStep, initial_streams  # noqa: E402
 
 
-def announce(args: argparse.Namespace, preset: Preset, mesh: Mesh | None) -> None:
-  """The run's first lines: jax, the platform, the preset; with --fsdp, the mesh."""
+def announce(args: argparse.Namespace, preset: Preset, mesh: Mesh | None,
+             stages: Stages | None) -> None:
+  """The run's first lines: jax, the platform, the preset; with --fsdp, the mesh; with
+  --pipeline, the stages and their order."""
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; preset {args.preset}: {preset}")
+  if stages is not None:
+    print(f"--pipeline {args.pipeline} --schedule {args.schedule or '1f1b'}: {len(stages.sizes)} "
+          f"chunks of {list(stages.sizes)} parts (embedding, blocks, head) on devices "
+          f"{[d.id for d in stages.chunk_devices]}, {preset.microbatches} microbatches; "
+          f"order {stages.order}")
   if mesh is not None:
     print(f"--fsdp {args.fsdp}: params, grads and optimizer state sharded over "
           f"{mesh.size} {jax.devices()[0].platform} devices of {jax.process_count()} "
@@ -151,12 +163,14 @@ class Captured(NamedTuple):
 
 def capture(args: argparse.Namespace, preset: Preset, config: Config,
             fns: Sequence[Callable[..., Any]], params: Params, placement: Placement,
-            policy: Callable[..., bool] | None, tuning: lora.FineTuning) -> Captured:
+            policy: Callable[..., bool] | None, tuning: lora.FineTuning, *,
+            stages: Stages | None = None) -> Captured:
   """Training: forward + backward, dropout keys from each layer's stream (not with
   --whole-step, which trains through one jax.jit); with --lora, no gradients for the frozen
   params (`grad_mask`). Eval: a forward-only copy of the same functions without keys
   (dropout off), for the same shapes. With --offload, the blocks measured and the plan made
-  first."""
+  first. With --pipeline, the training layers are captured for the stages, along their
+  order; eval stays on the first device (the params gathered there to evaluate)."""
   graph_ends = not args.plain_ends
   tokens = jax.ShapeDtypeStruct((preset.batch, preset.context), jnp.int32,
                                 sharding=placement.batch)
@@ -175,6 +189,10 @@ def capture(args: argparse.Namespace, preset: Preset, config: Config,
           f"{offload.link.to_device / 1e9:.1f} GB/s back\n{offload.table()}\n{offload.plan}")
   begin = time.perf_counter()
   train_layers = (None if args.whole_step else
+                  build_stage_layers(fns, params, stages, config, preset.batch, preset.context,
+                                     positions, rng=jax.random.key(args.seed),
+                                     remat_policy=policy)
+                  if stages is not None else
                   build_layers(fns, sample_args, graph_ends=graph_ends,
                                rng=jax.random.key(args.seed), remat_policy=policy,
                                grad_mask=tuning.grad_mask, **placement.hooks(),
@@ -204,10 +222,11 @@ def capture(args: argparse.Namespace, preset: Preset, config: Config,
 def make_step(args: argparse.Namespace, preset: Preset, config: Config,
               fns: Sequence[Callable[..., Any]], params: Params, placement: Placement,
               corpus: Corpus, captured: Captured, policy: Callable[..., bool] | None,
-              tuning: lora.FineTuning) -> tuple[Any, Any, Stepper]:
+              tuning: lora.FineTuning, *, stages: Stages | None = None
+              ) -> tuple[Any, Any, Stepper]:
   """The optimizer, its state (of the params that train; sharded like the params with
-  --fsdp) and the training step: the graphed `Trainer`, or with --whole-step the
-  `WholeStep`."""
+  --fsdp) and the training step: the graphed `Trainer`, with --pipeline the
+  `PipelineTrainer`, or with --whole-step the `WholeStep`."""
   graph_ends = not args.plain_ends
   tx = optimizer(preset, preset.steps)
   if placement.mesh is None:
@@ -223,6 +242,9 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
                         captured.positions, policy, placement)
     print(f"--whole-step: training through one whole-step jax.jit (compiled in "
           f"{trainer.compile_seconds:.1f} s)")
+  elif stages is not None:
+    trainer = PipelineTrainer(captured.train, config, adamw(preset, preset.steps),
+                              preset.microbatches, stages, captured.positions)
   else:
     trainer = Trainer(captured.train, config, tx, preset.microbatches, params, opt_state,
                       placement, fuse=args.fuse or False, prefetch=args.prefetch,
@@ -233,21 +255,26 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
 def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[float],
                 eval_losses: list[tuple[int, float]], *, first: int, stop: int,
                 preset: Preset, config: Config, corpus: Corpus, captured: Captured,
-                checkpoints: Checkpoints, meta: dict[str, Any], out: pathlib.Path
-                ) -> tuple[Params, Any, RoundTimer]:
+                checkpoints: Checkpoints, meta: dict[str, Any], out: pathlib.Path,
+                stages: Stages | None = None) -> tuple[Params, Any, RoundTimer]:
   """Steps `first + 1` to `stop`: a held-out loss every `eval_every` steps, a checkpoint
   every `checkpoint_every` and at `stop` (with metrics.json of the history so far).
 
   Losses stay on the device until a round ends or an eval or checkpoint reads them;
   tokens/s is measured per round of steps, without eval and checkpoint time (the timer).
   `losses` and `eval_losses` (step, held-out loss) grow in place; a fine-tuning run's start
-  gets a held-out loss too (step 0: the loaded model's).
+  gets a held-out loss too (step 0: the loaded model's). With --pipeline (`stages`) the
+  eval layers run on the first device, the params gathered there.
   """
   total, positions = preset.steps, captured.positions
+
+  def held_out(params: Params) -> float:
+    gathered = params if stages is None else stages.gather(params)
+    return evaluate(captured.eval, gathered, config, corpus, preset.eval_batches, positions)
+
   if first == 0 and "fine_tuning" in meta:
     interrupt.point("evaluation", 0)
-    eval_losses.append((0, evaluate(captured.eval, params, config, corpus,
-                                    preset.eval_batches, positions)))
+    eval_losses.append((0, held_out(params)))
   metrics_path = out / "metrics.json"
   writer = jax.process_index() == 0  # metrics.json and loss.png: one process writes them
   tokens_per_step = preset.microbatches * preset.batch * preset.context
@@ -273,8 +300,7 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
                     tok_s=f"{timer.rates[-1]:,.0f}" if timer.rates else "(warm-up)")
     if evaluate_now:
       interrupt.point("evaluation", step)
-      eval_losses.append((step, evaluate(captured.eval, params, config, corpus,
-                                         preset.eval_batches, positions)))
+      eval_losses.append((step, held_out(params)))
       bar.write(f"step {step:>5}: train loss {losses[-1]:.4f}, held-out loss "
                 f"{eval_losses[-1][1]:.4f}")
     if save:
@@ -360,7 +386,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   stop = min(preset.steps, args.stop_after or preset.steps)
   graph_ends = not args.plain_ends
   mesh = fsdp_mesh(args.fsdp)
-  announce(args, preset, mesh)
+  stages = (None if args.pipeline is None else
+            plan(args.pipeline, args.schedule or "1f1b", preset.depth, preset.microbatches))
+  announce(args, preset, mesh, stages)
 
   # The text, the model as layers (model.py knows nothing of them), the params placed.
   corpus, vocabulary = load_text(args, preset, mesh)
@@ -373,10 +401,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   # Capture, then the optimizer and the step; with --fsdp, where everything lives.
   interrupt.point("capture")
-  captured = capture(args, preset, model.config, fns, params, placement, policy, tuning)
+  captured = capture(args, preset, model.config, fns, params, placement, policy, tuning,
+                     stages=stages)
+  if stages is not None:  # each part on its stage, the eval layers captured on the first
+    params = stages.place(params)
   positions = captured.positions
   tx, opt_state, trainer = make_step(args, preset, model.config, fns, params, placement,
-                                     corpus, captured, policy, tuning)
+                                     corpus, captured, policy, tuning, stages=stages)
   sharded = (None if placement.mesh is None else
              fsdp_report(placement, trainer, params, opt_state, corpus, positions, count))
 
@@ -397,10 +428,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   params, opt_state, timer = train_steps(
       trainer, params, opt_state, losses, eval_losses, first=first, stop=stop, preset=preset,
       config=model.config, corpus=corpus, captured=captured, checkpoints=checkpoints,
-      meta=metadata(args, preset, vocabulary, tuning.meta), out=args.out)
+      meta=metadata(args, preset, vocabulary, tuning.meta), out=args.out, stages=stages)
   result = summarize(args, preset, params, losses, eval_losses, first=first, stop=stop,
                      count=count, timer=timer, captured=captured, placement=placement,
                      vocabulary=vocabulary, tuning=tuning)
+  if stages is not None:
+    result["pipeline"] = {"stages": args.pipeline, "schedule": args.schedule or "1f1b",
+                          "order": stages.order,
+                          "per_stage": stage_report(stages, captured.train, params)}
+    for stage in result["pipeline"]["per_stage"]:
+      peak = stage["peak_bytes"]
+      print(f"  stage {stage['stage']} on {stage['device']}: {stage['params']:,} params "
+            f"({', '.join(stage['parts'])}), one microbatch's residuals "
+            f"{stage['residual_bytes'] / 1e9:.3f} GB"
+            + ("" if peak is None else f", peak device memory {peak / 2**30:.2f} GiB"))
 
   if check and stop > first:
     interrupt.point("check")
@@ -427,7 +468,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.generate:
     interrupt.point("generation")
     # One sequence: generated on one device (per process), from the params gathered whole.
-    result["generation"] = write_sample(model, fns, placement.local(params), corpus,
+    local = placement.local(params) if stages is None else stages.gather(params)
+    result["generation"] = write_sample(model, fns, local, corpus,
                                         graph_ends, min(args.generate, preset.context // 2),
                                         args.temperature, args.seed)
     write_metrics(args.out, result, checkpoints)

@@ -90,12 +90,22 @@ def flat_group(path: tuple[Any, ...], leaf: jax.Array) -> str:
   return "decay" if decays(path) else "no_decay"
 
 
-def optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
+# The global norm the grads are clipped to (`optimizer`).
+CLIP_NORM = 1.0
+
+
+def adamw(preset: Preset, steps: int) -> optax.GradientTransformation:
+  """AdamW without decay on the norms, on a warmup-cosine schedule: the optimizer after
+  the clip."""
   warmup = max(1, steps // 20)
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, preset.learning_rate, warmup, max(steps, warmup + 1), preset.learning_rate / 10)
-  return optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
+  return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)
+
+
+def optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
+  """Global-norm clipping, then `adamw`."""
+  return optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw(preset, steps))
 
 
 class Stepper(Protocol):
