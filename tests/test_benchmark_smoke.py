@@ -132,6 +132,39 @@ def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_pat
 
 
 @pytest.mark.cpu_only
+def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
+  """benchmarks/llama_pipeline.py trains the example on one device and by stages (2 virtual
+  devices) and records each schedule's tokens/s against its bubble's bound."""
+  record = tmp_path / "pipeline.txt"
+  run = run_script("llama_pipeline", "--preset", "tiny", "--stages", "2", "--microbatches", "2",
+                   "--round-steps", "1", "--schedules", "1f1b", "--cache",
+                   str(tmp_path / "cache"), "--out", str(tmp_path), "--record", str(record),
+                   devices=2)
+  found = json.loads((tmp_path / "llama_pipeline.json").read_text())
+  (row,) = found["rows"]
+  base = found["one_device"]["tokens_per_second"]
+  bubble = _module("llama_pipeline").bubble_fraction("1f1b", 2, 2)
+  assert row["bound"] == round(2 * base * (1 - bubble))
+  assert row["ratio"] == round(row["tok_s"] / (2 * base * (1 - bubble)), 3)
+  assert [s["stage"] for s in row["per_stage"]] == [0, 1]
+  lines = record.read_text().splitlines()
+  assert [line.split()[0] for line in lines] == [
+      "commit", "device", "jax", "xla_flags", "date", "command", "row"]
+  assert "schedule=1f1b microbatches=2" in lines[-1] and "1f1b:" in run.stdout
+
+
+def test_bubble_fraction_of_1f1b_is_the_textbook_one():
+  """The simulated bubble of the 1F1B orders is (N - 1) / (M + N - 1); the interleaved
+  orders' smaller, zero-bubble's no larger."""
+  bubble = _module("llama_pipeline").bubble_fraction
+  for stages, microbatches in [(2, 2), (2, 8), (4, 4), (4, 16)]:
+    textbook = (stages - 1) / (microbatches + stages - 1)
+    assert abs(bubble("1f1b", stages, microbatches) - textbook) < 1e-12
+    assert bubble("interleaved", stages, microbatches) < textbook
+    assert bubble("zero-bubble", stages, microbatches) <= textbook + 1e-12
+
+
+@pytest.mark.cpu_only
 def test_fusion_probe_tiny_reports_each_variant(run_script, tmp_path):
   """benchmarks/probes/fusion_probe.py builds per-layer, fused and diagnostic variants of GPT
   and the Llama example, and reports their timings, host costs and executables (no GPU
