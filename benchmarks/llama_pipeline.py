@@ -125,11 +125,12 @@ def row(args: argparse.Namespace, name: str, run: dict[str, Any], base: dict[str
   """One schedule's row: its tokens/s against its bound, memory, spread."""
   rounds = run["throughput"]["loop"]["rounds"]
   tok_s = run["tokens_per_second"]
-  bound = args.stages * base["tokens_per_second"] * (
-      1 - bubble_fraction(name, args.stages, args.microbatches))
+  bubble = bubble_fraction(name, args.stages, args.microbatches)
+  bound = args.stages * base["tokens_per_second"] * (1 - bubble)
   peaks = [s["peak_bytes"] for s in run["pipeline"]["per_stage"] if s["peak_bytes"]]
   return {"preset": args.preset, "n": args.stages, "schedule": name,
-          "microbatches": args.microbatches, "tok_s": round(tok_s), "bound": round(bound),
+          "microbatches": args.microbatches, "tok_s": round(tok_s), "bubble": bubble,
+          "bound": round(bound),
           "ratio": round(tok_s / bound, 3), "fsdp_tok_s": "-",
           "peak_gib": round(max(peaks) / 2**30, 2) if peaks else "-",
           "spread": round(100 * (max(rounds) - min(rounds)) / tok_s, 1),
@@ -174,9 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     run = train(args, args.out / name, "--pipeline", str(args.stages), "--schedule", name)
     rows.append(row(args, name, run, base))
     r = rows[-1]
-    print(f"{name}: {r['tok_s']:,} tok/s, bound {r['bound']:,} (bubble "
-          f"{bubble_fraction(name, args.stages, args.microbatches):.3f}), ratio {r['ratio']}, "
-          f"peak {r['peak_gib']} GiB, spread {r['spread']}%", flush=True)
+    print(f"{name}: {r['tok_s']:,} tok/s, bound {r['bound']:,} (bubble {r['bubble']:.3f}), "
+          f"ratio {r['ratio']}, peak {r['peak_gib']} GiB, spread {r['spread']}%", flush=True)
     write_json(args.out / "llama_pipeline.json",
                {"command": command, "one_device": base, "rows": rows})
     if args.record:  # after every row: a run cut short keeps what is done
