@@ -22,8 +22,8 @@ from jaxgraph import _pullback  # noqa: E402
 PAGE = pathlib.Path(__file__).with_name("api.md")
 # Members of the package's interface to a GraphedCallable: plain names, not public API.
 INTERNAL_MEMBERS = frozenset(
-    name for cls in _pullback.Owner.__mro__ if cls.__module__ == _pullback.__name__
-    for name in (*vars(cls), *getattr(cls, "__annotations__", {})) if not name.startswith("_"))
+    name for name in (*vars(_pullback.Owner), *_pullback.Owner.__annotations__)
+    if not name.startswith("_"))
 
 
 def _signature(obj: object) -> str:
@@ -65,7 +65,8 @@ def _is_constant(obj: object) -> bool:
 
 def _first_sentence(obj: object) -> str:
   if _is_constant(obj):
-    return f"`{_value(obj)}`" if len(_value(obj)) < 60 else "a constant"
+    value = _value(obj)
+    return f"`{value}`" if len(value) < 60 else "a constant"
   doc = (inspect.getdoc(obj) or "").split("\n\n")[0].replace("\n", " ")
   end = doc.find(". ")
   return (doc if end < 0 else doc[:end + 1]).replace("|", "\\|")
