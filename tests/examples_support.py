@@ -127,8 +127,13 @@ def llama(monkeypatch: pytest.MonkeyPatch) -> Any:
   # The example sets the variable where it is unset: put back as it was after the test.
   monkeypatch.setenv(MEMORY_FRACTION, os.environ.get(MEMORY_FRACTION, ""))
   monkeypatch.delenv(MEMORY_FRACTION)
+  _forget_llama()  # imported before (a benchmark imports it too): run its import again
   importlib.import_module("examples.llama.train")
   yield sys.modules["examples.llama"]
+  _forget_llama()
+
+
+def _forget_llama() -> None:
   for name in [name for name in sys.modules if name.startswith("examples.llama")]:
     sys.modules.pop(name)
 
