@@ -25,8 +25,7 @@ from jaxgraph import schedule as schedule_lib
 def _materialize(leaf: Any) -> Any:
   """Concrete warmup data for a sample leaf: arrays as given, zeros for ShapeDtypeStructs."""
   if isinstance(leaf, jax.ShapeDtypeStruct):
-    zeros = jnp.zeros(leaf.shape, leaf.dtype)
-    return zeros if leaf.sharding is None else jax.device_put(zeros, leaf.sharding)
+    return jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding)  # made where it lives
   return leaf
 
 
@@ -93,13 +92,14 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
             inference_only: bool, donate_argnums: tuple[int, ...]) -> None:
   """Warmup phase: replays the order of `parsed` exactly (without `order`: all forwards, then
   all backwards in reverse; `inference_only`: the outputs-only forwards alone); a wgrad
-  without its own order entry runs right after its backward. Results are discarded; each
-  forward gets fresh copies of the `donate_argnums` arguments."""
+  without its own order entry runs right after its backward. Each step's result is waited for
+  and dropped (kept, an order of M microbatches would hold iterations x M copies of every
+  layer's outputs and grads at once); each forward gets fresh copies of the `donate_argnums`
+  arguments."""
   materialized: dict[int, Any] = {}  # one-per-layer sample_args repeat across microbatches
   data = [[materialized.setdefault(id(args), jax.tree.map(_materialize, args)) for args in row]
           for row in samples]
   base = rng_lib.warmup_base() if rng else None
-  results = []
   for iteration in range(iterations):
     stream = (base, jnp.uint32(iteration)) if rng else None
     pending = {}
@@ -112,15 +112,15 @@ def _warmup(layers: Sequence[graphed_lib.GraphedCallable],
         pending[i, m] = layer.forward(args, leaves, treedef, None, phase="warmup",
                                       iteration=iteration, microbatch=m,
                                       with_pullback=not inference_only, stream=stream)
-        results.append(pending[i, m][0])
+        result = pending[i, m][0]
       elif kind == "backward":
         out, pullback = pending[i, m] if parsed.has_wgrad else pending.pop((i, m))
-        results.append(pullback(_ones_like(out)))
+        result = pullback(_ones_like(out))
         if delay_wgrad and not parsed.has_wgrad:
-          results.append(pullback.wgrad())
+          result = (result, pullback.wgrad())
       else:
-        results.append(pending.pop((i, m))[1].wgrad())
-  jax.block_until_ready(results)
+        result = pending.pop((i, m))[1].wgrad()
+      jax.block_until_ready(result)
 
 
 def _build_callables(layers: checks.Layers, config: graphed_lib.Config,

@@ -235,6 +235,23 @@ def test_warmup_with_wgrad_entries_runs_them_in_order(monkeypatch):
   assert seen == [("wgrad", 1, 0), ("wgrad", 0, 0), ("wgrad", 1, 1), ("wgrad", 0, 1)]
 
 
+def test_warmup_keeps_no_result_across_steps():
+  """Warmup drops each step's outputs and grads once it finished: the live bytes at an
+  iteration's first forward stay the same (kept, each iteration added M copies)."""
+  params = make_params(1)
+  live: dict[int, int] = {}
+
+  def measure(event: jg.HookEvent) -> None:
+    if event.phase == "warmup" and event.microbatch == 0:
+      live[event.iteration] = sum(array.nbytes for array in jax.live_arrays())
+
+  jg.make_graphed([block], sample_args=[(params[0], jnp.ones((BATCH, WIDTH)))],
+                  order=schedule.one_f_one_b(4), num_warmup_iters=3,
+                  capture_time_hooks=jg.Hooks(pre_forward=[measure]))
+  assert sorted(live) == [0, 1, 2]
+  assert live[2] == live[1]  # iteration 0 starts with no earlier step's result held
+
+
 # ------------------------------------------------------------------------------ validation
 
 
