@@ -12,6 +12,7 @@ import functools
 import inspect
 import numbers
 import sys
+import typing
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -24,8 +25,6 @@ from jaxgraph import _signature as sig_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph import schedule as schedule_lib
-
-ON_NEW_SIGNATURE = ("capture", "error")
 
 # The platforms where `per_layer_executables=None` means True. XLA:GPU's command buffers
 # re-record when one executable is called with other buffers (`_capture.loaded_copy`); on
@@ -431,7 +430,8 @@ def check_config(layers: Layers, order: Sequence[float] | None, *, rng: bool,
                  offload: offload_lib.Policy, compiler_options: Any) -> graphed_lib.Config:
   """Step 1b: the settings every callable shares, checked against the sample_args."""
   _check_int("max_captures", max_captures, minimum=1)
-  _check_choice("on_new_signature", on_new_signature, ON_NEW_SIGNATURE)
+  _check_choice("on_new_signature", on_new_signature,
+                typing.get_args(graphed_lib.OnNewSignature))
   _check_callable("remat_policy", remat_policy, "a jax.checkpoint policy (a callable, e.g. "
                   "jaxgraph.residuals.recompute_elementwise) or None")
   if any(layers.offload):  # first: the sample checks below already ask the backend

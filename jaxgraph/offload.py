@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import typing
 import warnings
 from typing import Any, Literal, NamedTuple, Sequence
 
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 __all__ = ["Buffer", "Link", "Plan", "Policy", "measure_link", "plan", "predict_seconds"]
 
 Mode = Literal["async", "executable"]
-MODES: tuple[Mode, ...] = ("async", "executable")
+MODES: tuple[Mode, ...] = typing.get_args(Mode)
 
 
 class Buffer(NamedTuple):
