@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import numbers
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
@@ -32,6 +33,7 @@ __all__ = [
     "ParsedOrder",
     "Step",
     "StepResult",
+    "bubble_fraction",
     "interleaved_1f1b",
     "layers_per_chunk",
     "merge_ranks",
@@ -325,28 +327,104 @@ def one_f_one_b(num_microbatches: int, *, pipeline_parallel_size: int = 1,
 
 def zero_bubble(num_microbatches: int, *, pipeline_parallel_size: int = 1,
                 rank: int = 0) -> list[float]:
-  """A zero-bubble-style order (the ZB-H1 shape) of one pipeline rank (one chunk).
+  """The zero-bubble order of one pipeline rank (one chunk), ZB-H1 of Qi et al. (2023).
 
-  1F1B with every backward split into dgrad (`-1`) and a deferred wgrad (`-1.5`). A rank
-  keeps up to `pipeline_parallel_size - rank - 1` wgrads pending through the steady state
-  (its number of warmup forwards, so in-flight activations stay as in 1F1B) and runs one
-  after each cooldown dgrad, where 1F1B idles waiting for the next cotangent.
+  Every backward is split into dgrad (`-1`) and a deferred wgrad (`-1.5`), and the ranks are
+  list-scheduled together with a unit cost for each forward, dgrad and wgrad: a free rank
+  runs a forward where it may (at most `pipeline_parallel_size - rank` microbatches between
+  forward and dgrad, as in 1F1B), else a dgrad, else its oldest pending wgrad, and a wgrad
+  first once `rank + 1` are pending. A rank then holds at most `pipeline_parallel_size`
+  microbatches' state (activations, or a wgrad's inputs): 1F1B's first rank's peak on every
+  rank. The wgrads fill what 1F1B leaves idle: at those unit costs a step takes
+  `3 * num_microbatches + pipeline_parallel_size - 1` units against 1F1B's
+  `3 * (num_microbatches + pipeline_parallel_size - 1)` (`bubble_fraction` simulates both).
   """
-  lag = pipeline_parallel_size - rank - 1
-  out: list[float] = []
-  pending = 0
-  remaining_forwards = num_microbatches
-  for entry in one_f_one_b(num_microbatches, pipeline_parallel_size=pipeline_parallel_size,
-                           rank=rank):
-    out.append(entry)
-    if entry > 0:
-      remaining_forwards -= 1
-      continue
-    pending += 1
-    if pending > lag or remaining_forwards == 0:
-      out.append(-1.5)
-      pending -= 1
-  return out + [-1.5] * pending
+  _check_ints(num_microbatches=num_microbatches, pipeline_parallel_size=pipeline_parallel_size)
+  _check_rank(rank, pipeline_parallel_size)
+  return list(_zero_bubble_orders(num_microbatches, pipeline_parallel_size)[rank])
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_bubble_orders(microbatches: int, ranks: int) -> tuple[tuple[float, ...], ...]:
+  """Every rank's `zero_bubble` order, from the unit-cost list schedule its docstring says."""
+  finished: set[tuple[str, int, int]] = set()  # (kind, rank, microbatch) done by now
+  forwarded, dgraded = [0] * ranks, [0] * ranks
+  pending = [0] * ranks  # dgrads whose wgrad has not run
+  orders: list[list[float]] = [[] for _ in range(ranks)]
+  while any(dgraded[r] < microbatches or pending[r] for r in range(ranks)):
+    done_now = []
+    for r in range(ranks):
+      m_f, m_d = forwarded[r], dgraded[r]
+      can = {
+          "forward": (m_f < microbatches and m_f - m_d < ranks - r
+                      and (r == 0 or ("forward", r - 1, m_f) in finished)),
+          "dgrad": (m_d < m_f and (r == ranks - 1 or ("dgrad", r + 1, m_d) in finished)),
+          "wgrad": pending[r] > 0,
+      }
+      choice = ("wgrad" if pending[r] > r and can["wgrad"] else
+                next((kind for kind in ("forward", "dgrad", "wgrad") if can[kind]), None))
+      if choice == "forward":
+        forwarded[r] += 1
+        orders[r].append(1)
+        done_now.append(("forward", r, m_f))
+      elif choice == "dgrad":
+        dgraded[r] += 1
+        pending[r] += 1
+        orders[r].append(-1)
+        done_now.append(("dgrad", r, m_d))
+      elif choice == "wgrad":
+        pending[r] -= 1
+        orders[r].append(-1.5)
+    finished.update(done_now)  # one unit later: what ran this tick is there for the next
+  return tuple(map(tuple, orders))
+
+
+def bubble_fraction(rank_orders: Sequence[Sequence[float]], *, forward: float = 1.0,
+                    backward: float = 2.0, dgrad: float = 1.0, wgrad: float = 1.0) -> float:
+  """The idle fraction of a step for per-rank orders, simulated with a cost per entry kind.
+
+  Each rank runs its order's entries in turn (chunk `v` of rank `r` is global chunk
+  `(v - 1) * len(rank_orders) + r`, as in `merge_ranks`); an entry starts once its rank is free
+  and its input is done: a forward's the chunk before's forward, a backward's (or dgrad's) the
+  chunk after's backward (the last chunk: its own forward), a wgrad its dgrad. A backward
+  costs `backward` where the orders split it (a wgrad entry follows), `dgrad` and `wgrad`
+  where they do. Returns `1 - busy / (ranks x makespan)`; for 1F1B at the default costs
+  `(p - 1) / (M + p - 1)`.
+
+  Raises:
+    ValueError: the orders deadlock.
+  """
+  ranks = len(rank_orders)
+  parsed = [parse_order(list(order), delay_wgrad=True) for order in rank_orders]
+  split = any(p.has_wgrad for p in parsed)
+  costs = {"forward": forward, "backward": dgrad if split else backward, "wgrad": wgrad}
+  queues = [collections.deque(p.steps) for p in parsed]
+  done: dict[tuple[str, int, int], float] = {}
+  last = max(p.num_chunks for p in parsed) * ranks - 1
+  free, busy = [0.0] * ranks, 0.0
+  while any(queues):
+    progressed = False
+    for r, queue in enumerate(queues):
+      if not queue:
+        continue
+      step = queue[0]
+      g, m = (step.chunk * ranks + r), step.microbatch
+      if step.kind == "forward":
+        needs = ("forward", g - 1, m) if g else None
+      elif step.kind == "backward":
+        needs = ("backward", g + 1, m) if g < last else ("forward", g, m)
+      else:
+        needs = ("backward", g, m)
+      if needs is not None and needs not in done:
+        continue
+      queue.popleft()
+      start = max(free[r], done[needs] if needs else 0.0)
+      free[r] = done[step.kind, g, m] = start + costs[step.kind]
+      busy += costs[step.kind]
+      progressed = True
+    if not progressed:
+      raise ValueError("the rank orders deadlock: every rank's next entry waits on another's.")
+  return 1 - busy / (ranks * max(free))
 
 
 def merge_ranks(rank_orders: Sequence[Sequence[float]]) -> list[float]:

@@ -351,6 +351,29 @@ def test_builders_reproduce_megatron_and_are_valid():
       assert plan.has_wgrad and plan.num_chunks == ranks
 
 
+@pytest.mark.parametrize("ranks, microbatches", [(2, 4), (2, 8), (3, 5), (4, 16)])
+def test_zero_bubble_fills_what_1f1b_leaves_idle(ranks, microbatches):
+  """At unit costs ZB-H1 idles p - 1 units of 3M + p - 1 (1F1B: 3(p - 1) of 3(M + p - 1)),
+  and no rank holds more microbatches (activations or wgrad inputs) than 1F1B's first."""
+  orders = [schedule.zero_bubble(microbatches, pipeline_parallel_size=ranks, rank=r)
+            for r in range(ranks)]
+  one_f = [schedule.one_f_one_b(microbatches, pipeline_parallel_size=ranks, rank=r)
+           for r in range(ranks)]
+  assert schedule.bubble_fraction(orders) == pytest.approx(
+      (ranks - 1) / (3 * microbatches + ranks - 1))
+  assert schedule.bubble_fraction(one_f) == pytest.approx(
+      (ranks - 1) / (microbatches + ranks - 1))
+  for order in orders:
+    held = np.cumsum([1 if e > 0 else -1 if e == -1.5 else 0 for e in order])
+    assert held.max() <= ranks and held[-1] == 0
+    assert order.count(-1) == order.count(-1.5) == microbatches
+
+
+def test_bubble_fraction_reports_deadlock():
+  with pytest.raises(ValueError, match="deadlock"):
+    schedule.bubble_fraction([[1, -1, 1, -1], [1, 1, -1, -1]])
+
+
 def test_merge_ranks_reports_deadlock():
   with pytest.raises(ValueError, match="deadlock"):
     schedule.merge_ranks([[1, -1, 1, -1], [1, 1, -1, -1]])
