@@ -12,8 +12,9 @@ processes, each into its own `--out` under this one's: on one device (no `--pipe
 baseline), with `--fsdp N` on the same N devices, then once per schedule with
 `--pipeline N`; every run with the same preset, `--microbatches M` and steps, so the same
 tokens a step (M microbatches of the preset's batch: `--fsdp` splits each over its devices,
-each pipeline stage runs it whole), without `--check` or generation.
-Each run's wall time is printed as it ends.
+each pipeline stage runs it whole), without `--check` or generation. Each run's wall time is
+printed as it ends; its checkpoint (the example saves the last step) is removed once its
+metrics.json is read.
 
 A run's tokens/s is the training loop's own (metrics.json `tokens_per_second`: the median of
 its rounds of `--round-steps` steps after a warm-up round; evaluation and checkpoints not
@@ -44,6 +45,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -103,18 +105,28 @@ def example_flags(args: argparse.Namespace, out: pathlib.Path, *flags: str) -> l
           "--steps", str(args.steps), "--round-steps", str(args.round_steps), *flags]
 
 
-def train(args: argparse.Namespace, name: str, *flags: str) -> dict[str, Any]:
-  """One run of the example into --out/`name`: its metrics.json, with the command and wall
-  time (printed)."""
-  out = args.out / name
-  command = [sys.executable, "-m", "examples.llama.train", *example_flags(args, out, *flags)]
+def run_process(command: list[str]) -> float:
+  """Runs `command` from the root; its wall seconds.
+
+  Raises:
+    RuntimeError: it failed (the message ends with its output's tails).
+  """
   begin = time.perf_counter()
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-  wall = round(time.perf_counter() - begin, 1)
   if done.returncode:
     raise RuntimeError(f"{shlex.join(command[1:])} exited {done.returncode}:\n"
                        f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+  return round(time.perf_counter() - begin, 1)
+
+
+def train(args: argparse.Namespace, name: str, *flags: str) -> dict[str, Any]:
+  """One run of the example into --out/`name`: its metrics.json, with the command and wall
+  time (printed); its checkpoint removed."""
+  out = args.out / name
+  command = [sys.executable, "-m", "examples.llama.train", *example_flags(args, out, *flags)]
+  wall = run_process(command)
   metrics = json.loads((out / "metrics.json").read_text())
+  shutil.rmtree(out / "checkpoints")  # the last step's state: GBs at gpu-1b, not read here
   loop = metrics["throughput"]["loop"]
   print(f"{name}: {metrics['tokens_per_second']:,.0f} tok/s, host/step "
         f"{_ms(loop['host_seconds_per_step'])}/{_ms(loop['step_seconds'])} ms ({wall} s)",
@@ -130,12 +142,7 @@ def busy(args: argparse.Namespace, name: str) -> dict[str, Any]:
              "--busy-steps", str(args.busy_steps), "--",
              *example_flags(args, args.out / name / "busy-run", "--pipeline",
                             str(args.stages), "--schedule", name)]
-  begin = time.perf_counter()
-  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-  wall = round(time.perf_counter() - begin, 1)
-  if done.returncode:
-    raise RuntimeError(f"{shlex.join(command[1:])} exited {done.returncode}:\n"
-                       f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+  wall = run_process(command)
   found = json.loads(result.read_text())
   print(f"{name} --busy: stages busy {_percents(found['busy_percent'])}% of "
         f"{found['step_ms']} ms steps ({wall} s)", flush=True)
