@@ -1,23 +1,39 @@
-"""The Llama example by stages against its bubble's bound: tokens/s of `--pipeline N`.
+"""The Llama example by stages against its bubble's bound and FSDP: tokens/s of `--pipeline N`.
 
   python3 -m benchmarks.llama_pipeline --preset gpu-1b --stages 4 --microbatches 16 \\
-      --schedules 1f1b zero-bubble --record docs/results/pipeline-gpu.txt --out /tmp/pp
+      --schedules 1f1b interleaved zero-bubble --record docs/results/pipeline-gpu.txt \\
+      --out /tmp/pp                                                               # 4 GPUs
   JAX_PLATFORMS=cpu python3 -m benchmarks.llama_pipeline --preset tiny --stages 2 \\
       --microbatches 4 --steps 4 --round-steps 1 --out /tmp/pp      # CPU smoke: virtual devices
 
-Runs the example (`python -m examples.llama.train`) in fresh processes, each into its own
-`--out` under this one's: first on one device (no `--pipeline`: the baseline), then once per
-schedule with `--pipeline N`, every run with the same preset, `--microbatches M` and steps,
-without `--check` or generation. A run's tokens/s is the training loop's own (metrics.json
-`tokens_per_second`: the median of its rounds of `--round-steps` steps after a warm-up round;
-evaluation and checkpoints not counted), so `--steps` must hold at least two rounds.
+Builds the preset's vocabulary and encoded text into --cache first (once: every run reads
+them from there), then runs the example (`python -m examples.llama.train`) in fresh
+processes, each into its own `--out` under this one's: on one device (no `--pipeline`: the
+baseline), with `--fsdp N` on the same N devices, then once per schedule with
+`--pipeline N`; every run with the same preset, `--microbatches M` and steps, so the same
+tokens a step (M microbatches of the preset's batch: `--fsdp` splits each over its devices,
+each pipeline stage runs it whole), without `--check` or generation. Each run's wall time is
+printed as it ends; its checkpoint (the example saves the last step) is removed once its
+metrics.json is read.
 
-The bound of a schedule is what N stages give when a stage computes as fast as the one-device
-run and idles only in the order's bubble: N x the baseline's tokens/s x (1 - bubble), the
-bubble being the orders' idle fraction of a stage (`bubble_fraction`, simulated: (N - 1) /
-(M + N - 1) for 1F1B). Prints a table; writes llama_pipeline.json to --out and, with
---record, the rows as `key value` facts (commit, device, jax, xla_flags, date, command) and
-one `row key=value ...` line per schedule.
+A run's tokens/s is the training loop's own (metrics.json `tokens_per_second`: the median of
+its rounds of `--round-steps` steps after a warm-up round; evaluation and checkpoints not
+counted), so `--steps` must hold at least two rounds; its host time is the loop's too
+(`throughput.loop`: the driving thread's CPU time a step, `host_seconds_per_step`, against
+the step's wall time, `step_seconds`).
+
+The bound of a schedule is what N stages give when a stage computes as fast as the
+one-device run and idles only in the order's bubble: N x the baseline's tokens/s x
+(1 - bubble), the bubble being the idle fraction of a stage under the order the run recorded
+(metrics.json `pipeline.order`, simulated by `jaxgraph.schedule.bubble_fraction`:
+(N - 1) / (M + N - 1) for 1F1B). With --busy (GPUs), each schedule also runs in a process of this script that builds
+the example's pipeline step and records a profiler trace of `--busy-steps` steps after a
+warm-up round: per stage, the union of its GPU's kernels but copies, against the steps' wall
+time.
+
+Prints a line per run; writes llama_pipeline.json to --out and, with --record, the rows as
+`key value` facts (commit, device, jax, xla_flags, date, command) and one `row key=value ...`
+line per schedule.
 """
 
 from __future__ import annotations
@@ -27,128 +43,185 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 
+from examples import vocabulary as vocab_lib
 from examples.records import write_json
+from examples.llama.data import load_vocabulary
+from examples.llama.presets import PRESETS
 from jaxgraph import schedule
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
 
 
-def rank_orders(name: str, stages: int, microbatches: int) -> list[list[float]]:
-  """Each rank's order under `--schedule name`, as the example builds them."""
-  if name == "1f1b":
-    return [schedule.one_f_one_b(microbatches, pipeline_parallel_size=stages, rank=r)
-            for r in range(stages)]
-  if name == "zero-bubble":
-    return [schedule.zero_bubble(microbatches, pipeline_parallel_size=stages, rank=r)
-            for r in range(stages)]
-  return [schedule.interleaved_1f1b(microbatches, 2, pipeline_parallel_size=stages, rank=r)
-          for r in range(stages)]
+def build_cache(preset: str, cache: pathlib.Path) -> None:
+  """The preset's vocabulary and its text's ids in `cache`, as the example reads them
+  (`make_corpus`): trained and encoded here once, not in the first run's clock."""
+  text, vocabulary = load_vocabulary(PRESETS[preset], cache)
+  vocab_lib.encoded(vocabulary, text, cache)
 
 
-def bubble_fraction(name: str, stages: int, microbatches: int) -> float:
-  """The idle fraction of a stage under the schedule's orders, simulated: each rank runs its
-  order's entries in turn, a forward of a chunk costing 1, its backward 2 (a zero-bubble
-  dgrad 1 and its wgrad 1), an entry starting once its rank is free and its input is done
-  (the chunk before's forward; the chunk after's backward, the last chunk's own forward; a
-  wgrad its dgrad). 1F1B gives the textbook (N - 1) / (M + N - 1)."""
-  orders = rank_orders(name, stages, microbatches)
-  chunks = max(abs(int(e)) for order in orders for e in order) * stages
-  done: dict[tuple[str, int, int], float] = {}
-  seen: list[dict[tuple[str, int], int]] = [{} for _ in orders]
-  pending_w: list[list[tuple[int, int]]] = [[] for _ in orders]
-  free, position, busy = [0.0] * stages, [0] * stages, [0.0] * stages
-  while any(position[r] < len(orders[r]) for r in range(stages)):
-    progressed = False
-    for r, order in enumerate(orders):
-      if position[r] == len(order):
-        continue
-      entry = order[position[r]]
-      if entry == -1.5:  # the oldest dgrad's weight gradient
-        g, m = pending_w[r][0]
-        kind, cost, needs = "w", 1.0, ("b", g, m)
-      else:
-        v = abs(int(entry))
-        g = (v - 1) * stages + r
-        kind = "f" if entry > 0 else "b"
-        m = seen[r].get((kind, v), 0)
-        cost = 1.0 if kind == "f" else (1.0 if name == "zero-bubble" else 2.0)
-        needs = (("f", g - 1, m) if g else None) if kind == "f" else (
-            ("b", g + 1, m) if g + 1 < chunks else ("f", g, m))
-      if needs is not None and needs not in done:
-        continue
-      start = max(free[r], done[needs] if needs else 0.0)
-      free[r] = done[(kind, g, m)] = start + cost
-      busy[r] += cost
-      if kind == "w":
-        pending_w[r].pop(0)
-      else:
-        seen[r][(kind, v)] = m + 1
-        if kind == "b" and name == "zero-bubble":
-          pending_w[r].append((g, m))
-      position[r] += 1
-      progressed = True
-    if not progressed:
-      raise ValueError(f"the {name} orders deadlock in the simulation")
-  return 1 - busy[0] / max(free)
+def example_flags(args: argparse.Namespace, out: pathlib.Path, *flags: str) -> list[str]:
+  """The example's flags of a run into `out`: the benchmark's preset, microbatches and
+  steps, then the run's own `flags`."""
+  return ["--preset", args.preset, "--microbatches", str(args.microbatches), "--no-check",
+          "--generate", "0", "--cache", str(args.cache), "--out", str(out), "--fresh",
+          "--steps", str(args.steps), "--round-steps", str(args.round_steps), *flags]
 
 
-def train(args: argparse.Namespace, out: pathlib.Path, *flags: str) -> dict[str, Any]:
-  """One run of the example into `out`; its metrics.json, with the command and wall time."""
-  command = [sys.executable, "-m", "examples.llama.train", "--preset", args.preset,
-             "--microbatches", str(args.microbatches), "--no-check", "--generate", "0",
-             "--cache", str(args.cache), "--out", str(out), "--fresh", *flags]
-  if args.steps:
-    command += ["--steps", str(args.steps)]
-  if args.round_steps:
-    command += ["--round-steps", str(args.round_steps)]
+def run_process(command: list[str]) -> float:
+  """Runs `command` from the root; its wall seconds.
+
+  Raises:
+    RuntimeError: it failed (the message ends with its output's tails).
+  """
   begin = time.perf_counter()
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-  wall = round(time.perf_counter() - begin, 1)
   if done.returncode:
     raise RuntimeError(f"{shlex.join(command[1:])} exited {done.returncode}:\n"
                        f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+  return round(time.perf_counter() - begin, 1)
+
+
+def train(args: argparse.Namespace, name: str, *flags: str) -> dict[str, Any]:
+  """One run of the example into --out/`name`: its metrics.json, with the command and wall
+  time (printed); its checkpoint removed."""
+  out = args.out / name
+  command = [sys.executable, "-m", "examples.llama.train", *example_flags(args, out, *flags)]
+  wall = run_process(command)
   metrics = json.loads((out / "metrics.json").read_text())
+  shutil.rmtree(out / "checkpoints")  # the last step's state: GBs at gpu-1b, not read here
+  loop = metrics["throughput"]["loop"]
+  print(f"{name}: {metrics['tokens_per_second']:,.0f} tok/s, host/step "
+        f"{_ms(loop['host_seconds_per_step'])}/{_ms(loop['step_seconds'])} ms ({wall} s)",
+        flush=True)
   return {**metrics, "command": shlex.join(["python3", *command[1:]]), "wall_seconds": wall}
 
 
-def row(args: argparse.Namespace, name: str, run: dict[str, Any], base: dict[str, Any]
-        ) -> dict[str, Any]:
-  """One schedule's row: its tokens/s against its bound, memory, spread."""
-  rounds = run["throughput"]["loop"]["rounds"]
+def busy(args: argparse.Namespace, name: str) -> dict[str, Any]:
+  """Schedule `name`'s stages' busy time from a profiler trace (`busy_run`, in a fresh
+  process of this script), with the process's wall time (printed)."""
+  result = args.out / name / "busy.json"
+  command = [sys.executable, "-m", "benchmarks.llama_pipeline", "--busy-child", str(result),
+             "--busy-steps", str(args.busy_steps), "--",
+             *example_flags(args, args.out / name / "busy-run", "--pipeline",
+                            str(args.stages), "--schedule", name)]
+  wall = run_process(command)
+  found = json.loads(result.read_text())
+  print(f"{name} --busy: stages busy {_percents(found['busy_percent'])}% of "
+        f"{found['step_ms']} ms steps ({wall} s)", flush=True)
+  return {**found, "wall_seconds": wall}
+
+
+def busy_run(argv: list[str], steps: int) -> dict[str, Any]:
+  """In this process, the example's pipeline step for `argv` (built by the example's own
+  parts, as its `main` builds it), a warm-up round of steps, then `steps` steps under the
+  profiler: per stage, the union of its GPU's kernels but copies (`trace_summary`'s busy
+  time) against the steps' wall time. CPU devices leave no kernels in a trace: no stages."""
+  from benchmarks import profiling
+  from benchmarks.llama_fsdp import trace_summary
+  from examples.llama import train as example
+  from examples.llama.data import step_batches
+  from examples.llama.layers import RESIDUAL_POLICIES
+  from examples.llama.pipeline import plan
+
+  args = example.parse(argv)
+  preset = example.resolve(args)
+  stages = plan(args.pipeline, args.schedule, preset.depth, preset.microbatches)
+  corpus, _ = example.load_text(args, preset, None)
+  model, fns, params, _ = example.build_model(args, preset, corpus)
+  policy = RESIDUAL_POLICIES[args.residuals]
+  params, placement = example.place(params, args.flat, None, model.config.compute_dtype)
+  fns, params, tuning = example.lora.start(args, preset, model, fns, params, placement)
+  captured = example.capture(args, preset, model.config, fns, params, placement, policy,
+                             tuning, stages=stages)
+  params = stages.place(params)
+  _, opt_state, trainer = example.make_step(args, preset, model.config, fns, params, placement,
+                                            corpus, captured, policy, tuning, stages=stages)
+  state, step = [params, opt_state], 0
+
+  def run(count: int) -> Any:
+    nonlocal step
+    loss = None
+    for _ in range(count):
+      step += 1
+      state[0], state[1], loss = trainer.step(*state, step_batches(corpus, step,
+                                                                   preset.microbatches),
+                                              captured.positions)
+    return loss
+
+  jax.block_until_ready(run(preset.round_steps))
+  trace = trace_summary(profiling.record_trace(lambda: run(steps)), steps)
+  by_id = {int(found.group(1)): gpu for name, gpu in trace["gpus"].items()
+           if (found := re.search(r"GPU:(\d+)", name))}  # rows named /device:GPU:<id>
+  gpus = [by_id.get(device.id) for device in stages.devices]
+  return {"step_ms": trace["step_ms"], "busy_ms": [g and g["busy_ms"] for g in gpus],
+          "busy_percent": [g and round(100 * g["busy_ms"] / trace["step_ms"], 1)
+                           for g in gpus]}
+
+
+def _ms(seconds: float | None) -> float | str:
+  return "-" if seconds is None else round(1e3 * seconds, 2)
+
+
+def _percents(values: Sequence[float | None]) -> str:
+  return "/".join("-" if v is None else str(v) for v in values)
+
+
+def _peak_gib(peaks: Sequence[int | None]) -> float | str:
+  found = [p for p in peaks if p]
+  return round(max(found) / 2**30, 2) if found else "-"
+
+
+def row(args: argparse.Namespace, run: dict[str, Any], base: dict[str, Any],
+        fsdp: dict[str, Any]) -> dict[str, Any]:
+  """One schedule's row: its tokens/s against its bound and FSDP's, memory, spread, host
+  time."""
+  pipeline, loop = run["pipeline"], run["throughput"]["loop"]
   tok_s = run["tokens_per_second"]
-  bubble = bubble_fraction(name, args.stages, args.microbatches)
+  bubble = schedule.bubble_fraction(pipeline["order"], stages=args.stages)
   bound = args.stages * base["tokens_per_second"] * (1 - bubble)
-  peaks = [s["peak_bytes"] for s in run["pipeline"]["per_stage"] if s["peak_bytes"]]
-  return {"preset": args.preset, "n": args.stages, "schedule": name,
+  host, step = loop["host_seconds_per_step"], loop["step_seconds"]
+  return {"preset": args.preset, "n": args.stages, "schedule": pipeline["schedule"],
           "microbatches": args.microbatches, "tok_s": round(tok_s), "bubble": bubble,
-          "bound": round(bound),
-          "ratio": round(tok_s / bound, 3), "fsdp_tok_s": "-",
-          "peak_gib": round(max(peaks) / 2**30, 2) if peaks else "-",
-          "spread": round(100 * (max(rounds) - min(rounds)) / tok_s, 1),
+          "bound": round(bound), "ratio": round(tok_s / bound, 3),
+          "fsdp_tok_s": round(fsdp["tokens_per_second"]),
+          "peak_gib": _peak_gib([s["peak_bytes"] for s in pipeline["per_stage"]]),
+          "spread": round(100 * (max(loop["rounds"]) - min(loop["rounds"])) / tok_s, 1),
+          "host_ms": _ms(host), "step_ms": _ms(step), "host_step": round(host / step, 3),
+          "fsdp_peak_gib": _peak_gib([fsdp.get("peak_bytes")]),
+          "fsdp_host_ms": _ms(fsdp["throughput"]["loop"]["host_seconds_per_step"]),
+          "fsdp_step_ms": _ms(fsdp["throughput"]["loop"]["step_seconds"]),
           "one_device_tok_s": round(base["tokens_per_second"]),
-          "per_stage": run["pipeline"]["per_stage"], "command": run["command"],
+          "per_stage": pipeline["per_stage"], "command": run["command"],
           "wall_seconds": run["wall_seconds"]}
 
 
-def record_lines(rows: list[dict[str, Any]], command: str, commit: str) -> list[str]:
-  """docs/results/pipeline-gpu.txt's lines: the run's facts, then a `row` line per row."""
-  device = jax.devices()[0].device_kind
-  lines = [f"commit {commit}", f"device {device}, {jax.device_count()} of them",
-           f"jax {jax.__version__}", f"xla_flags {os.environ.get('XLA_FLAGS') or '(none)'}",
+RECORD_KEYS = ("preset", "n", "schedule", "microbatches", "tok_s", "bound", "ratio",
+               "fsdp_tok_s", "peak_gib", "spread", "host_ms", "step_ms", "fsdp_peak_gib")
+
+
+def record_lines(rows: list[dict[str, Any]], device: str, command: str, commit: str
+                 ) -> list[str]:
+  """docs/results/pipeline-gpu.txt's lines: the run's facts, then a `row` line per row
+  (with --busy, `busy=` each stage's busy percent, stage 0 first)."""
+  lines = [f"commit {commit}", f"device {device}", f"jax {jax.__version__}",
+           f"xla_flags {os.environ.get('XLA_FLAGS') or '(none)'}",
            f"date {datetime.date.today().isoformat()}", f"command {command}"]
-  keys = ("preset", "n", "schedule", "microbatches", "tok_s", "bound", "ratio", "fsdp_tok_s",
-          "peak_gib", "spread")
   for r in rows:
-    lines.append("row " + " ".join(f"{k}={r[k]}{'%' if k == 'spread' else ''}" for k in keys))
+    fields = [f"{k}={r[k]}{'%' if k == 'spread' else ''}" for k in RECORD_KEYS]
+    if "busy" in r:
+      fields.append(f"busy={_percents(r['busy']['busy_percent'])}%")
+    lines.append("row " + " ".join(fields))
   return lines
 
 
@@ -161,26 +234,48 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["1f1b"])
   parser.add_argument("--steps", type=int, help="per run (default: 3 rounds)")
   parser.add_argument("--round-steps", type=int, default=4)
+  parser.add_argument("--busy", action="store_true",
+                      help="also profile each schedule's steps in a process of its own: each "
+                           "stage's GPU busy time against the step (GPUs)")
+  parser.add_argument("--busy-steps", type=int, default=2, help="steps profiled for --busy")
   parser.add_argument("--cache", type=pathlib.Path, default=ROOT / "runs" / "cache")
-  parser.add_argument("--out", type=pathlib.Path, required=True)
+  parser.add_argument("--out", type=pathlib.Path)
   parser.add_argument("--record", type=pathlib.Path)
   parser.add_argument("--commit", default="(unknown)")
-  args = parser.parse_args(argv)
+  parser.add_argument("--busy-child", type=pathlib.Path, help=argparse.SUPPRESS)
+  args, rest = parser.parse_known_args(argv)
+  if args.busy_child is not None:  # --busy's process: the example's flags after "--"
+    write_json(args.busy_child, busy_run(rest[rest.index("--") + 1:], args.busy_steps))
+    return
+  if rest:
+    parser.error(f"unrecognized arguments: {' '.join(rest)}")
+  if args.out is None:
+    parser.error("--out is required: the runs' folders and llama_pipeline.json go there")
   args.steps = args.steps or 3 * args.round_steps
   command = shlex.join(["python3", "-m", "benchmarks.llama_pipeline", *(argv or sys.argv[1:])])
-  base = train(args, args.out / "one-device")
-  print(f"one device: {base['tokens_per_second']:,.0f} tok/s", flush=True)
-  rows = []
+  begin = time.perf_counter()
+  build_cache(args.preset, args.cache)
+  print(f"vocabulary and ids in {args.cache} ({time.perf_counter() - begin:.1f} s)", flush=True)
+  base = train(args, "one-device")
+  fsdp = train(args, f"fsdp-{args.stages}", "--fsdp", str(args.stages))
+  # the parent starts no backend (on GPUs it would take the runs' memory): the runs name it
+  device = f"{base['device_kind']}, {args.stages} of them"
+  found: dict[str, Any] = {"command": command, "one_device": base, "fsdp": fsdp, "rows": []}
   for name in args.schedules:
-    run = train(args, args.out / name, "--pipeline", str(args.stages), "--schedule", name)
-    rows.append(row(args, name, run, base))
-    r = rows[-1]
+    run = train(args, name, "--pipeline", str(args.stages), "--schedule", name)
+    r = row(args, run, base, fsdp)
+    if args.busy:
+      r["busy"] = busy(args, name)
+    found["rows"].append(r)
     print(f"{name}: {r['tok_s']:,} tok/s, bound {r['bound']:,} (bubble {r['bubble']:.3f}), "
-          f"ratio {r['ratio']}, peak {r['peak_gib']} GiB, spread {r['spread']}%", flush=True)
-    write_json(args.out / "llama_pipeline.json",
-               {"command": command, "one_device": base, "rows": rows})
+          f"ratio {r['ratio']}, FSDP {r['fsdp_tok_s']:,} tok/s, peak {r['peak_gib']} GiB "
+          f"(FSDP {r['fsdp_peak_gib']}), spread {r['spread']}%, host/step {r['host_ms']}/"
+          f"{r['step_ms']} ms ({r['host_step']})", flush=True)
+    write_json(args.out / "llama_pipeline.json", found)
     if args.record:  # after every row: a run cut short keeps what is done
-      args.record.write_text("\n".join(record_lines(rows, command, args.commit)) + "\n")
+      args.record.write_text("\n".join(record_lines(found["rows"], device, command,
+                                                    args.commit)) + "\n")
+  print(f"all runs: {time.perf_counter() - begin:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

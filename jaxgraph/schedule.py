@@ -337,7 +337,8 @@ def zero_bubble(num_microbatches: int, *, pipeline_parallel_size: int = 1,
   microbatches' state (activations, or a wgrad's inputs): 1F1B's first rank's peak on every
   rank. The wgrads fill what 1F1B leaves idle: at those unit costs a step takes
   `3 * num_microbatches + pipeline_parallel_size - 1` units against 1F1B's
-  `3 * (num_microbatches + pipeline_parallel_size - 1)` (`bubble_fraction` simulates both).
+  `3 * (num_microbatches + pipeline_parallel_size - 1)` (`bubble_fraction` of their
+  `merge_ranks` simulates both).
   """
   _check_ints(num_microbatches=num_microbatches, pipeline_parallel_size=pipeline_parallel_size)
   _check_rank(rank, pipeline_parallel_size)
@@ -379,52 +380,44 @@ def _zero_bubble_orders(microbatches: int, ranks: int) -> tuple[tuple[float, ...
   return tuple(map(tuple, orders))
 
 
-def bubble_fraction(rank_orders: Sequence[Sequence[float]], *, forward: float = 1.0,
+def bubble_fraction(order: Sequence[float], *, stages: int, forward: float = 1.0,
                     backward: float = 2.0, dgrad: float = 1.0, wgrad: float = 1.0) -> float:
-  """The idle fraction of a step for per-rank orders, simulated with a cost per entry kind.
+  """The idle fraction of a step of `order` run by stages, simulated with a cost per entry.
 
-  Each rank runs its order's entries in turn (chunk `v` of rank `r` is global chunk
-  `(v - 1) * len(rank_orders) + r`, as in `merge_ranks`); an entry starts once its rank is free
-  and its input is done: a forward's the chunk before's forward, a backward's (or dgrad's) the
-  chunk after's backward (the last chunk: its own forward), a wgrad its dgrad. A backward
-  costs `backward` where the orders split it (a wgrad entry follows), `dgrad` and `wgrad`
-  where they do. Returns `1 - busy / (ranks x makespan)`; for 1F1B at the default costs
-  `(p - 1) / (M + p - 1)`.
+  Chunk `c` (0-based) runs on stage `c % stages` (the layout of `merge_ranks`' orders); each
+  stage runs its entries in the order's order, each starting once its stage is free and its
+  input is done: a forward's the chunk before's forward, a backward's the chunk after's
+  backward (the last chunk: its own forward), a wgrad its backward. A forward costs
+  `forward`, a backward `backward`, or `dgrad` where the order has wgrad entries, which cost
+  `wgrad`. Returns `1 - busy / (stages x makespan)`: for 1F1B at the default costs
+  `(p - 1) / (M + p - 1)`, for `zero_bubble` `(p - 1) / (3M + p - 1)`.
 
-  Raises:
-    ValueError: the orders deadlock.
+  Args:
+    order: a valid order (`parse_order` with `delay_wgrad=True`), e.g. `merge_ranks` of
+      per-rank orders.
+    stages: the stages (devices) the chunks are dealt to.
+    forward, backward, dgrad, wgrad: each entry kind's cost.
   """
-  ranks = len(rank_orders)
-  parsed = [parse_order(list(order), delay_wgrad=True) for order in rank_orders]
-  split = any(p.has_wgrad for p in parsed)
-  costs = {"forward": forward, "backward": dgrad if split else backward, "wgrad": wgrad}
-  queues = [collections.deque(p.steps) for p in parsed]
-  done: dict[tuple[str, int, int], float] = {}
-  last = max(p.num_chunks for p in parsed) * ranks - 1
-  free, busy = [0.0] * ranks, 0.0
-  while any(queues):
-    progressed = False
-    for r, queue in enumerate(queues):
-      if not queue:
-        continue
-      step = queue[0]
-      g, m = (step.chunk * ranks + r), step.microbatch
-      if step.kind == "forward":
-        needs = ("forward", g - 1, m) if g else None
-      elif step.kind == "backward":
-        needs = ("backward", g + 1, m) if g < last else ("forward", g, m)
-      else:
-        needs = ("backward", g, m)
-      if needs is not None and needs not in done:
-        continue
-      queue.popleft()
-      start = max(free[r], done[needs] if needs else 0.0)
-      free[r] = done[step.kind, g, m] = start + costs[step.kind]
-      busy += costs[step.kind]
-      progressed = True
-    if not progressed:
-      raise ValueError("the rank orders deadlock: every rank's next entry waits on another's.")
-  return 1 - busy / (ranks * max(free))
+  _check_ints(stages=stages)
+  parsed = parse_order(list(order), delay_wgrad=True)
+  last = parsed.num_chunks - 1
+  costs = {"forward": forward, "backward": dgrad if parsed.has_wgrad else backward,
+           "wgrad": wgrad}
+  done: dict[Step, float] = {}
+  free, busy = [0.0] * stages, 0.0
+  for step in parsed.steps:  # a valid order lists each entry after the ones it needs
+    kind, c, m = step
+    if kind == "forward":
+      needs = Step("forward", c - 1, m) if c else None
+    elif kind == "backward":
+      needs = Step("backward", c + 1, m) if c < last else Step("forward", c, m)
+    else:
+      needs = Step("backward", c, m)
+    stage = c % stages
+    free[stage] = done[step] = (max(free[stage], done[needs] if needs else 0.0)
+                                + costs[kind])
+    busy += costs[kind]
+  return 1 - busy / (stages * max(free))
 
 
 def merge_ranks(rank_orders: Sequence[Sequence[float]]) -> list[float]:

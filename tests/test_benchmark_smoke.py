@@ -14,6 +14,8 @@ import sys
 import jax
 import pytest
 
+from jaxgraph import schedule
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -133,8 +135,9 @@ def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_pat
 
 @pytest.mark.cpu_only
 def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
-  """benchmarks/llama_pipeline.py trains the example on one device and by stages (2 virtual
-  devices) and records each schedule's tokens/s against its bubble's bound."""
+  """benchmarks/llama_pipeline.py trains the example on one device, with --fsdp 2 and by
+  stages (2 virtual devices) and records each schedule's tokens/s against its bubble's bound
+  (simulated from the order the run recorded), FSDP's tokens/s and the host time a step."""
   record = tmp_path / "pipeline.txt"
   run = run_script("llama_pipeline", "--preset", "tiny", "--stages", "2", "--microbatches", "2",
                    "--round-steps", "1", "--schedules", "1f1b", "--cache",
@@ -142,26 +145,36 @@ def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
                    devices=2)
   found = json.loads((tmp_path / "llama_pipeline.json").read_text())
   (row,) = found["rows"]
-  base = found["one_device"]["tokens_per_second"]
-  bubble = _module("llama_pipeline").bubble_fraction("1f1b", 2, 2)
-  assert row["bound"] == round(2 * base * (1 - bubble))
-  assert row["ratio"] == round(row["tok_s"] / (2 * base * (1 - bubble)), 3)
+  base, fsdp = found["one_device"], found["fsdp"]
+  metrics = json.loads((tmp_path / "1f1b" / "metrics.json").read_text())
+  bubble = schedule.bubble_fraction(metrics["pipeline"]["order"], stages=2)
+  bound = 2 * base["tokens_per_second"] * (1 - bubble)
+  assert row["bound"] == round(bound) and row["ratio"] == round(row["tok_s"] / bound, 3)
+  assert "--fsdp 2" in fsdp["command"] and row["fsdp_tok_s"] == round(fsdp["tokens_per_second"])
+  loop = metrics["throughput"]["loop"]
+  assert 0 < loop["host_seconds_per_step"] and 0 < loop["step_seconds"]
+  assert row["host_step"] == round(loop["host_seconds_per_step"] / loop["step_seconds"], 3)
   assert [s["stage"] for s in row["per_stage"]] == [0, 1]
   lines = record.read_text().splitlines()
   assert [line.split()[0] for line in lines] == [
       "commit", "device", "jax", "xla_flags", "date", "command", "row"]
-  assert "schedule=1f1b microbatches=2" in lines[-1] and "1f1b:" in run.stdout
+  assert f"schedule=1f1b microbatches=2 tok_s={row['tok_s']}" in lines[-1]
+  assert f"fsdp_tok_s={row['fsdp_tok_s']} " in lines[-1]
+  assert all(f"{name}: " in run.stdout for name in ("one-device", "fsdp-2", "1f1b"))
 
 
 def test_bubble_fraction_of_1f1b_is_the_textbook_one():
-  """The simulated bubble of the 1F1B orders is (N - 1) / (M + N - 1); the interleaved
-  orders' smaller, zero-bubble's no larger."""
-  bubble = _module("llama_pipeline").bubble_fraction
+  """The simulated bubble of the example's merged 1F1B order is (N - 1) / (M + N - 1); the
+  interleaved order's smaller; zero-bubble's (N - 1) / (3M + N - 1)."""
+  from examples.llama.pipeline import plan
+
   for stages, microbatches in [(2, 2), (2, 8), (4, 4), (4, 16)]:
+    bubble = lambda name: schedule.bubble_fraction(  # noqa: E731
+        plan(stages, name, 8, microbatches).order, stages=stages)
     textbook = (stages - 1) / (microbatches + stages - 1)
-    assert abs(bubble("1f1b", stages, microbatches) - textbook) < 1e-12
-    assert bubble("interleaved", stages, microbatches) < textbook
-    assert bubble("zero-bubble", stages, microbatches) <= textbook + 1e-12
+    assert abs(bubble("1f1b") - textbook) < 1e-12
+    assert bubble("interleaved") < textbook
+    assert abs(bubble("zero-bubble") - (stages - 1) / (3 * microbatches + stages - 1)) < 1e-12
 
 
 @pytest.mark.cpu_only

@@ -19,7 +19,10 @@ from .trainer import Stepper
 class RoundTimer:
   """The training loop's tokens/s, measured as `throughput_rounds` measures: rounds of
   `round_steps` steps between device syncs; the first round (the warm-up after capture or
-  resume) not counted; evaluation and checkpoints paused out of the clock.
+  resume) not counted; evaluation and checkpoints paused out of the clock. With each rate,
+  the driving thread's host time of the round: its CPU time (`time.thread_time`) and its
+  wall time up to the wait for the device that ends the round, both per step, against the
+  round's wall time per step (`host_summary`).
 
   Call `start()` before the loop, `step_done(loss)` after every step (True: a round ended
   and the clock is stopped), `stop(loss)` before other work, `start()` after it.
@@ -28,15 +31,22 @@ class RoundTimer:
   def __init__(self, round_steps: int, tokens_per_step: int):
     self.round_steps, self.tokens_per_step = round_steps, tokens_per_step
     self.rates: list[float] = []  # tokens/s of each steady-state round
+    # per steady-state round, seconds per step: the thread's CPU time, its wall time before
+    # the round's wait for the device, the round's wall time
+    self.host: list[tuple[float, float, float]] = []
     self.seconds = 0.0            # all training time (warm-up and the last partial round too)
     self._steps, self._elapsed, self._since = 0, 0.0, None
+    self._cpu, self._dispatch, self._cpu_since = 0.0, 0.0, 0.0
 
   def start(self) -> None:
     self._since = time.perf_counter()
+    self._cpu_since = time.thread_time()
 
   def stop(self, ready: Any) -> None:
     if self._since is None:
       return
+    self._cpu += time.thread_time() - self._cpu_since  # before the wait: no waiting counted
+    self._dispatch += time.perf_counter() - self._since
     jax.block_until_ready(ready)
     elapsed = time.perf_counter() - self._since
     self._elapsed += elapsed
@@ -50,8 +60,21 @@ class RoundTimer:
     self.stop(ready)
     if self._steps > self.round_steps:  # the first round is the warm-up
       self.rates.append(round(self.round_steps * self.tokens_per_step / self._elapsed, 1))
-    self._elapsed = 0.0
+      self.host.append(tuple(t / self.round_steps
+                             for t in (self._cpu, self._dispatch, self._elapsed)))
+    self._elapsed, self._cpu, self._dispatch = 0.0, 0.0, 0.0
     return True
+
+  def host_summary(self) -> dict[str, float | None]:
+    """Medians over the steady-state rounds, seconds per step: `host_seconds_per_step` (the
+    driving thread's CPU time), `dispatch_seconds_per_step` (its wall time outside the
+    rounds' waits for the device) and `step_seconds` (the rounds' wall time); None before a
+    round is timed."""
+    names = ("host_seconds_per_step", "dispatch_seconds_per_step", "step_seconds")
+    if not self.host:
+      return dict.fromkeys(names)
+    return {name: round(statistics.median(column), 6)
+            for name, column in zip(names, zip(*self.host))}
 
 
 def rate_summary(rates: Sequence[float], round_steps: int) -> dict[str, Any]:

@@ -324,9 +324,10 @@ def summarize(args: argparse.Namespace, preset: Preset, params: Params, losses: 
   mode = "whole-step jax.jit" if args.whole_step else "graphed"
   offload = captured.offload
   run_steps = stop - first
-  loop = rate_summary(timer.rates, preset.round_steps)
+  loop = {**rate_summary(timer.rates, preset.round_steps), **timer.host_summary()}
   result: dict[str, Any] = {
       "preset": args.preset, "mode": "whole_step" if args.whole_step else "graphed",
+      "device_kind": jax.devices()[0].device_kind,
       "config": run_config(args, preset), "params": count, "step": stop, "losses": losses,
       "eval_losses": eval_losses, "final_loss": losses[-1] if losses else None,
       "train_seconds": round(timer.seconds, 3), "capture_seconds": round(captured.seconds, 3),
@@ -345,7 +346,9 @@ def summarize(args: argparse.Namespace, preset: Preset, params: Params, losses: 
   if run_steps:
     held_out = f", held-out {eval_losses[-1][1]:.4f}" if eval_losses else ""
     rate = (f"{describe_rates(loop)} {mode}, after {preset.round_steps} untimed warm-up "
-            "steps; evaluation and checkpoints not counted" if loop["rounds"] else
+            "steps; evaluation and checkpoints not counted; the driving thread's CPU time "
+            f"{1e3 * loop['host_seconds_per_step']:.1f} ms of a "
+            f"{1e3 * loop['step_seconds']:.1f} ms step" if loop["rounds"] else
             f"tok/s not measured: {run_steps} steps, fewer than a warm-up round and a timed "
             f"round of --round-steps {preset.round_steps}")
     print(f"trained steps {first + 1}-{stop} ({timer.seconds:.1f} s of training): final loss "
