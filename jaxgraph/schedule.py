@@ -510,9 +510,10 @@ def _add(total: Any, grad: Any) -> Any:
 class Pipeline:
   """Runs an order over microbatches for a model split into chunks (single controller).
 
-  Every chunk is a list of GraphedCallables taking `(params, x)` and returning the next `x`;
-  the last chunk's output goes to `loss_fn(output, target) -> scalar`, whose gradient (from
-  `jax.value_and_grad`, jitted once) starts the backward. With `devices`, chunk `c` runs on
+  Every chunk is a list of GraphedCallables taking `(params, x)` (with `consts`,
+  `(params, x, *consts)`) and returning the next `x`; the last chunk's output goes to
+  `loss_fn(output, target) -> scalar`, whose gradient (from `jax.value_and_grad`, jitted
+  once) starts the backward. With `devices`, chunk `c` runs on
   `devices[c]`: its params are placed there, and activations and cotangents move between
   chunks with `jax.device_put`. Dispatch is asynchronous, so chunks on different devices
   overlap as the order allows. Capture the layers of chunk `c` with sample_args on
@@ -557,13 +558,20 @@ class Pipeline:
     return tree if self.devices is None else jax.device_put(tree, self.devices[chunk])
 
   def __call__(self, params: Sequence[Sequence[Any]], inputs: Sequence[Any],
-               targets: Sequence[Any]) -> StepResult:
+               targets: Sequence[Any], *, consts: Sequence[tuple[Any, ...]] | None = None
+               ) -> StepResult:
     """Runs the order once: every microbatch forward and backward through every chunk.
 
     Args:
       params: `params[c][l]`: the params of layer `l` of chunk `c`.
       inputs: the input of each microbatch (to chunk 1).
       targets: the target of each microbatch (to `loss_fn`).
+      consts: None, or one tuple per microbatch: the inputs besides the activation that
+        every layer takes after it, `layer(params, x, *consts[m])` (`sequential_vjp`'s
+        `consts=`, per microbatch), placed on each chunk's device: e.g. the targets of a
+        last layer that returns the loss itself, which then need not ride through every
+        layer in `x`. They get no gradient (a layer's backward still computes the gradient
+        of a float const, and `Pipeline` drops it).
 
     Returns:
       The `StepResult`.
@@ -573,12 +581,18 @@ class Pipeline:
     if len(inputs) != count or len(targets) != count:
       raise ValueError(f"the order runs {count} microbatches but Pipeline got "
                        f"{len(inputs)} inputs and {len(targets)} targets.")
+    if consts is not None and (len(consts) != count
+                               or not all(isinstance(c, tuple) for c in consts)):
+      kinds = sorted({type(c).__name__ for c in consts})
+      raise ValueError(f"Pipeline takes consts= one tuple per microbatch ({count}): the extra "
+                       "positional arguments of every layer for that microbatch, e.g. "
+                       f"consts=[(mask,) for mask in masks]; got {len(consts)} of {kinds}.")
     if len(params) != len(chunks) or any(len(p) != len(c) for p, c in zip(params, chunks)):
       raise ValueError("params must hold one list per chunk with one params pytree per layer "
                        f"(layers per chunk: {[len(c) for c in chunks]}).")
     layers = [layer for chunk in chunks for layer in chunk]
     pullback_lib.check_carry(layers, [p for chunk in params for p in chunk], inputs[0],
-                             where="Pipeline")
+                             *(() if consts is None else consts[0]), where="Pipeline")
     params = [self._place(list(p), c) for c, p in enumerate(params)]
     last = len(chunks) - 1
     acts: dict[tuple[int, int], Any] = {}      # (chunk, microbatch) -> output of the chunk
@@ -590,9 +604,10 @@ class Pipeline:
     for kind, c, m in parsed.steps:
       if kind == "forward":
         x = self._place(inputs[m] if c == 0 else acts.pop((c - 1, m)), c)
+        side = () if consts is None else self._place(consts[m], c)
         chunk_pullbacks = []
         for layer, p in zip(chunks[c], params[c]):
-          x, pullback = _vjp(layer, (p, x), m)
+          x, pullback = _vjp(layer, (p, x, *side), m)
           chunk_pullbacks.append(pullback)
         pullbacks[c, m] = chunk_pullbacks
         if c == last:
@@ -609,7 +624,7 @@ class Pipeline:
           chunk_pullbacks[l].prefetch()
           if l:
             chunk_pullbacks[l - 1].prefetch()
-          g_params, ct = chunk_pullbacks[l](ct)
+          g_params, ct = chunk_pullbacks[l](ct)[:2]  # the consts' gradients dropped
           if not self.delay_wgrad:
             grads[c][l] = _add(grads[c][l], g_params)
           elif not parsed.has_wgrad:

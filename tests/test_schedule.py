@@ -326,6 +326,46 @@ def test_pipeline_validation():
   with pytest.raises(ValueError, match="runs 1 microbatches but Pipeline got 2 inputs"):
     inputs, targets = make_batches(2)
     pipeline([[p] for p in make_params(2)], inputs, targets)
+  inputs, targets = make_batches(1)
+  with pytest.raises(ValueError, match=r"one tuple per microbatch \(1\).*got 1 of \["):
+    pipeline([[p] for p in make_params(2)], inputs, targets, consts=[targets[0]])
+
+
+def ride(params: dict[str, jax.Array], carry: tuple[jax.Array, jax.Array]) -> Any:
+  """`with_const`'s block with its side input riding in the activation (and returned)."""
+  x, scale = carry
+  return with_const(params, x, scale), scale
+
+
+def with_const(params: dict[str, jax.Array], x: jax.Array, scale: jax.Array) -> jax.Array:
+  return block(params, x) * scale
+
+
+@pytest.mark.parametrize("builder, delay_wgrad", [(schedule.one_f_one_b, False),
+                                                   (schedule.zero_bubble, True)])
+def test_consts_match_the_side_input_riding_in_x_bitwise(builder, delay_wgrad):
+  """Per-microbatch `consts=` give bitwise the outputs, losses, grads and input grads of the
+  same side input riding through every layer in the activation."""
+  params, microbatches = make_params(2), 4
+  inputs, targets = make_batches(microbatches)
+  scales = [jnp.full((BATCH, 1), 1.0 + 0.25 * m) for m in range(microbatches)]
+  order = schedule.merge_ranks([builder(microbatches, pipeline_parallel_size=2, rank=r)
+                                for r in range(2)])
+  options = dict(order=order, delay_wgrad=delay_wgrad, num_warmup_iters=1)
+  riding = jg.make_graphed([ride, ride], sample_args=[(p, (inputs[0], scales[0]))
+                                                      for p in params], **options)
+  taking = jg.make_graphed([with_const] * 2, sample_args=[(p, inputs[0], scales[0])
+                                                          for p in params], **options)
+  chunked = [[p] for p in params]
+  rode = schedule.Pipeline([[layer] for layer in riding], order,
+                           loss_fn=lambda out, target: loss_fn(out[0], target))(
+      chunked, list(zip(inputs, scales)), targets)
+  took = schedule.Pipeline([[layer] for layer in taking], order, loss_fn=loss_fn)(
+      chunked, inputs, targets, consts=[(scale,) for scale in scales])
+  assert_trees_equal([y for y, _ in rode.outputs], took.outputs)
+  assert_trees_equal(rode.losses, took.losses)
+  assert_trees_equal(rode.grads, took.grads)
+  assert_trees_equal([g for g, _ in rode.input_grads], took.input_grads)
 
 
 # -------------------------------------------------------------------------------- builders

@@ -131,33 +131,33 @@ def plan(stages: int, name: str, depth: int, microbatches: int) -> Stages:
                 name == "zero-bubble")
 
 
-# The pipeline's layers take (params, x) (`jg.schedule.Pipeline`): a block's params are its
-# own and the positions, the activation is (x, targets): the targets ride along to the head,
-# which returns the loss; `loss_of` hands it on.
+# The pipeline's layers take (params, x, targets) (`jg.schedule.Pipeline` with each
+# microbatch's targets as its `consts`): a block's params are its own and the positions; only
+# the head reads the targets, and returns the loss; `loss_of` hands it on.
 
 
 def _embed(fn: Callable[..., Any]) -> Callable[..., Any]:
-  def embed(params: Any, inputs: tuple[jax.Array, jax.Array], **kwargs: Any) -> Any:
-    tokens, targets = inputs
-    return fn(params, tokens, **kwargs), targets
+  def embed(params: Any, tokens: jax.Array, targets: jax.Array, **kwargs: Any) -> jax.Array:
+    del targets  # the head's
+    return fn(params, tokens, **kwargs)
 
   embed.__name__ = fn.__name__
   return embed
 
 
 def _block(fn: Callable[..., Any]) -> Callable[..., Any]:
-  def block(params: tuple[Any, jax.Array], inputs: tuple[jax.Array, jax.Array],
-            **kwargs: Any) -> Any:
-    (own, positions), (x, targets) = params, inputs
-    return fn(own, x, positions, **kwargs), targets
+  def block(params: tuple[Any, jax.Array], x: jax.Array, targets: jax.Array,
+            **kwargs: Any) -> jax.Array:
+    del targets  # the head's
+    own, positions = params
+    return fn(own, x, positions, **kwargs)
 
   block.__name__ = fn.__name__
   return block
 
 
 def _head(fn: Callable[..., Any], tied: bool) -> Callable[..., Any]:
-  def head(params: Any, inputs: tuple[jax.Array, jax.Array], **kwargs: Any) -> jax.Array:
-    x, targets = inputs
+  def head(params: Any, x: jax.Array, targets: jax.Array, **kwargs: Any) -> jax.Array:
     own, *table = params if tied else (params,)
     return fn(own, x, targets, *table, **kwargs)
 
@@ -191,9 +191,9 @@ def build_stage_layers(fns: Sequence[Callable[..., Any]], params: Params, stages
   per_layer = stage_params(params, [positions] * (len(params) - 2), config)
   for i, (p, device) in enumerate(zip(per_layer, stages.part_devices())):
     sharding = jax.sharding.SingleDeviceSharding(device)
-    carried = (tokens, tokens) if i == 0 else (x, tokens)
     samples.append(jax.tree.map(
-        lambda a, s=sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (p, carried)))
+        lambda a, s=sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        (p, tokens if i == 0 else x, tokens)))
   return list(jg.make_graphed(wrapped, sample_args=samples, order=stages.order,
                               num_layers_per_chunk=list(stages.sizes),
                               delay_wgrad=stages.delay_wgrad, **options))
@@ -264,7 +264,8 @@ class PipelineTrainer:
     per_layer = stage_params(params, [self.positions[device] for device
                                       in self.stages.part_devices()[1:-1]], self.config)
     result = self.pipeline([[per_layer[i] for i in parts] for parts in self.stages.ranges()],
-                           list(batches), [None] * len(batches))
+                           [tokens for tokens, _ in batches], [None] * len(batches),
+                           consts=[(targets,) for _, targets in batches])
     grads = [layer_grads for chunk in result.grads for layer_grads in chunk]
     head = grads[-1]
     if self.config.tie_embeddings:
