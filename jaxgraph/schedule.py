@@ -498,13 +498,17 @@ def _vjp(layer: graphed_lib.GraphedCallable, args: tuple[Any, ...], microbatch: 
                          with_pullback=True)
 
 
-def _add(total: Any, grad: Any) -> Any:
+def _tree_add(total: Any, grad: Any) -> Any:
   """`total + grad`, leaf by leaf; a float0 gradient (an integer leaf's, or one `grad_mask`
   leaves out) stays float0."""
-  if total is None:
-    return grad
   return jax.tree.map(lambda t, g: t if t.dtype == jax.dtypes.float0 else jnp.add(t, g),
                       total, grad)
+
+
+# A chunk's gradients accumulate in one call a backward (leaf by leaf, eager adds cost the
+# single driving thread a dispatch each); into its own running sum once there is one.
+_sum = jax.jit(_tree_add)
+_sum_into = jax.jit(_tree_add, donate_argnums=0)
 
 
 class Pipeline:
@@ -551,11 +555,21 @@ class Pipeline:
       raise ValueError(f"Pipeline got {len(devices)} devices for {len(self.chunks)} chunks; "
                        "pass one device per chunk, or None.")
     self.devices = None if devices is None else list(devices)
+    self._shardings = ([] if devices is None else
+                       [jax.sharding.SingleDeviceSharding(device) for device in devices])
     self.loss_fn = loss_fn
     self._loss_grad = jax.jit(jax.value_and_grad(loss_fn))
 
   def _place(self, tree: Any, chunk: int) -> Any:
-    return tree if self.devices is None else jax.device_put(tree, self.devices[chunk])
+    """`tree` on chunk `chunk`'s device; as it is where it is there already (a device_put
+    costs the driving thread a dispatch a leaf even then: the params, every step)."""
+    if self.devices is None:
+      return tree
+    target = self._shardings[chunk]
+    if all(isinstance(leaf, jax.Array) and leaf.sharding == target
+           for leaf in jax.tree.leaves(tree)):
+      return tree
+    return jax.device_put(tree, target)
 
   def __call__(self, params: Sequence[Sequence[Any]], inputs: Sequence[Any],
                targets: Sequence[Any], *, consts: Sequence[tuple[Any, ...]] | None = None
@@ -599,7 +613,16 @@ class Pipeline:
     cts: dict[tuple[int, int], Any] = {}       # (chunk, microbatch) -> cotangent of its output
     pullbacks: dict[tuple[int, int], list[graphed_lib.Pullback]] = {}
     waiting: dict[tuple[int, int], list[graphed_lib.Pullback]] = {}
-    grads: list[list[Any]] = [[None] * len(chunk) for chunk in chunks]
+    grads: list[Any] = [None] * len(chunks)  # per chunk, its layers' running sums
+    owned = [False] * len(chunks)  # whether grads[c] came from _sum (so may be donated)
+
+    def accumulate(c: int, new: list[Any]) -> list[Any]:
+      if grads[c] is None:
+        return new
+      total = (_sum_into if owned[c] else _sum)(grads[c], new)
+      owned[c] = True
+      return total
+
     result = StepResult([None] * count, [None] * count, grads, [None] * count)
     for kind, c, m in parsed.steps:
       if kind == "forward":
@@ -618,6 +641,7 @@ class Pipeline:
       elif kind == "backward":
         ct = self._place(cts.pop((c, m)), c)
         chunk_pullbacks = pullbacks.pop((c, m))
+        new = [None] * len(chunk_pullbacks)
         for l in reversed(range(len(chunk_pullbacks))):
           # Async offload: this layer's residuals first (the chunk's top layer), then the next
           # layer's, which come back during this backward.
@@ -626,10 +650,12 @@ class Pipeline:
             chunk_pullbacks[l - 1].prefetch()
           g_params, ct = chunk_pullbacks[l](ct)[:2]  # the consts' gradients dropped
           if not self.delay_wgrad:
-            grads[c][l] = _add(grads[c][l], g_params)
+            new[l] = g_params
           elif not parsed.has_wgrad:
-            grads[c][l] = _add(grads[c][l], chunk_pullbacks[l].wgrad()[0])
-        if parsed.has_wgrad:
+            new[l] = chunk_pullbacks[l].wgrad()[0]
+        if not parsed.has_wgrad:
+          grads[c] = accumulate(c, new)
+        else:
           waiting[c, m] = chunk_pullbacks
         if c == 0:
           result.input_grads[m] = ct
@@ -637,6 +663,5 @@ class Pipeline:
           cts[c - 1, m] = ct
       else:
         chunk_pullbacks = waiting.pop((c, m))
-        for l in reversed(range(len(chunk_pullbacks))):
-          grads[c][l] = _add(grads[c][l], chunk_pullbacks[l].wgrad()[0])
+        grads[c] = accumulate(c, [pullback.wgrad()[0] for pullback in chunk_pullbacks])
     return result

@@ -471,6 +471,35 @@ def test_two_devices_match_one_device():
   assert [layer.stats.fallbacks for layer in two] == [0] * 4
 
 
+def test_pipeline_host_work_a_step(monkeypatch):
+  """The driving thread's work: placed params are not put again, and a chunk's gradients
+  accumulate in one call a backward (not one add a leaf)."""
+  devices = devices_for(2)[:2]
+  params, microbatches = make_params(4), 3
+  inputs, targets = make_batches(microbatches)
+  order = schedule.merge_ranks([schedule.one_f_one_b(microbatches, pipeline_parallel_size=2,
+                                                     rank=r) for r in range(2)])
+  placed = [jax.device_put(p, devices[i // 2]) for i, p in enumerate(params)]
+  samples = [(p, jax.device_put(inputs[0], devices[i // 2])) for i, p in enumerate(placed)]
+  layers = jg.make_graphed([block] * 4, sample_args=samples, order=order, num_warmup_iters=0)
+  pipeline = schedule.Pipeline(split(layers, [2, 2]), order, loss_fn=loss_fn, devices=devices)
+  put, sums = [], []
+  original_put = jax.device_put
+  monkeypatch.setattr(jax, "device_put",
+                      lambda tree, *a, **k: put.extend(jax.tree.leaves(tree))
+                      or original_put(tree, *a, **k))
+  for name in ("_sum", "_sum_into"):
+    jitted = getattr(schedule, name)
+    monkeypatch.setattr(schedule, name, lambda *a, f=jitted, n=name: sums.append(n) or f(*a))
+  result = pipeline(split(placed, [2, 2]), inputs, targets)
+  weights = {id(leaf) for leaf in jax.tree.leaves(placed)}
+  assert put and not weights & {id(leaf) for leaf in put}
+  # per chunk: the first microbatch's grads kept, then one sum each, into its own after one
+  assert sums == ["_sum", "_sum"] + ["_sum_into"] * 2 * (microbatches - 2)
+  assert all(g["w"].devices() == {devices[c]} for c, chunk in enumerate(result.grads)
+             for g in chunk)
+
+
 # ------------------------------------------------------------------------ property tests
 
 
