@@ -500,15 +500,14 @@ def _vjp(layer: graphed_lib.GraphedCallable, args: tuple[Any, ...], microbatch: 
 
 
 def _chunk_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any], x: Any,
-               consts: tuple[Any, ...], microbatch: int, runs: Sequence[tuple[int, int]]
+               consts: tuple[Any, ...], microbatch: int,
+               runs: Sequence[tuple[int, int, fusion_lib.FusedSegment | None]]
                ) -> tuple[Any, list[tuple[int, int, graphed_lib.Pullback]]]:
-  """A chunk's forward: each run of several layers as one fused segment (one by one where
-  it cannot replay fused), each other layer on its own; `(y, [(lo, hi, pullback), ...])`."""
+  """A chunk's forward: each run with a segment as one fused replay (one by one where it
+  cannot replay fused), each other layer on its own; `(y, [(lo, hi, pullback), ...])`."""
   steps = []
-  for lo, hi in runs:
-    replayed = None
-    if hi - lo > 1:
-      replayed = fusion_lib.segment(layers[lo:hi]).vjp_chain(params[lo:hi], x, consts, None)
+  for lo, hi, segment in runs:
+    replayed = None if segment is None else segment.vjp_chain(params[lo:hi], x, consts, None)
     if replayed is not None:
       x, pullback = replayed
       steps.append((lo, hi, pullback))
@@ -657,8 +656,9 @@ class Pipeline:
     # (chunk, microbatch) -> (first layer, end layer, pullback) per replayed run of the chunk
     pullbacks: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
     waiting: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
-    # [lo, hi) runs of each chunk: read once a step (hooks decide them)
-    runs = [fusion_lib.runs(chunk, self._longest) for chunk in chunks]
+    # Per chunk, its runs (hooks decide them: read once a step) and their fused segments.
+    runs = [[(lo, hi, fusion_lib.segment(chunk[lo:hi]) if hi - lo > 1 else None)
+             for lo, hi in fusion_lib.runs(chunk, self._longest)] for chunk in chunks]
     grads: list[Any] = [None] * len(chunks)  # per chunk, its layers' running sums
     owned = [False] * len(chunks)  # whether grads[c] came from _sum (so may be donated)
 
