@@ -3,6 +3,8 @@
   python3 -m benchmarks.llama_pipeline --preset gpu-1b --stages 4 --microbatches 16 \\
       --schedules 1f1b interleaved zero-bubble --record docs/results/pipeline-gpu.txt \\
       --out /tmp/pp                                                               # 4 GPUs
+  python3 -m benchmarks.llama_pipeline --preset gpu-1b --stages 4 --microbatches 16 \\
+      --schedules 1f1b interleaved --fuse --out /tmp/pp        # each chunk's layers fused
   JAX_PLATFORMS=cpu python3 -m benchmarks.llama_pipeline --preset tiny --stages 2 \\
       --microbatches 4 --steps 4 --round-steps 1 --out /tmp/pp      # CPU smoke: virtual devices
 
@@ -10,8 +12,10 @@ Builds the preset's vocabulary and encoded text into --cache first (once: every 
 them from there), then runs the example (`python -m examples.llama.train`) in fresh
 processes, each into its own `--out` under this one's: on one device (no `--pipeline`: the
 baseline), with `--fsdp N` on the same N devices, then once per schedule with
-`--pipeline N`; every run with the same preset, `--microbatches M` and steps, so the same
-tokens a step (M microbatches of the preset's batch: `--fsdp` splits each over its devices,
+`--pipeline N` (with `--fuse [K]`, the example's: each chunk's layers replayed as fused
+segments, `jg.schedule.Pipeline(..., fuse=...)`; the baseline and FSDP runs replay block by
+block); every run with the same preset, `--microbatches M` and steps, so the same tokens a
+step (M microbatches of the preset's batch: `--fsdp` splits each over its devices,
 each pipeline stage runs it whole), without `--check` or generation. Each run's wall time is
 printed as it ends; its checkpoint (the example saves the last step) is removed once its
 metrics.json is read.
@@ -55,6 +59,7 @@ import jax
 
 from examples import vocabulary as vocab_lib
 from examples.records import write_json
+from examples.llama.cli import fuse_length
 from examples.llama.data import load_vocabulary
 from examples.llama.presets import PRESETS
 from jaxgraph import schedule
@@ -107,14 +112,20 @@ def train(args: argparse.Namespace, name: str, *flags: str) -> dict[str, Any]:
   return {**metrics, "command": shlex.join(["python3", *command[1:]]), "wall_seconds": wall}
 
 
+def pipeline_flags(args: argparse.Namespace, name: str) -> list[str]:
+  """The example's flags of schedule `name`'s runs: its stages, its order, --fuse [K]."""
+  fuse = [] if not args.fuse else ["--fuse"] if args.fuse is True else ["--fuse", str(args.fuse)]
+  return ["--pipeline", str(args.stages), "--schedule", name, *fuse]
+
+
 def busy(args: argparse.Namespace, name: str) -> dict[str, Any]:
   """Schedule `name`'s stages' busy time from a profiler trace (`busy_run`, in a fresh
   process of this script), with the process's wall time (printed)."""
   result = args.out / name / "busy.json"
   command = [sys.executable, "-m", "benchmarks.llama_pipeline", "--busy-child", str(result),
              "--busy-steps", str(args.busy_steps), "--",
-             *example_flags(args, args.out / name / "busy-run", "--pipeline",
-                            str(args.stages), "--schedule", name)]
+             *example_flags(args, args.out / name / "busy-run",
+                            *pipeline_flags(args, name))]
   wall = run_process(command)
   found = json.loads(result.read_text())
   print(f"{name} --busy: stages busy {_percents(found['busy_percent'])}% of "
@@ -192,7 +203,8 @@ def row(args: argparse.Namespace, run: dict[str, Any], base: dict[str, Any],
   bound = args.stages * base["tokens_per_second"] * (1 - bubble)
   host, step = loop["host_seconds_per_step"], loop["step_seconds"]
   return {"preset": args.preset, "n": args.stages, "schedule": pipeline["schedule"],
-          "microbatches": args.microbatches, "tok_s": round(tok_s), "bubble": bubble,
+          "fuse": args.fuse or False, "microbatches": args.microbatches,
+          "tok_s": round(tok_s), "bubble": bubble,
           "bound": round(bound), "ratio": round(tok_s / bound, 3),
           "fsdp_tok_s": round(fsdp["tokens_per_second"]),
           "peak_gib": _peak_gib([s["peak_bytes"] for s in pipeline["per_stage"]]),
@@ -206,7 +218,7 @@ def row(args: argparse.Namespace, run: dict[str, Any], base: dict[str, Any],
           "wall_seconds": run["wall_seconds"]}
 
 
-RECORD_KEYS = ("preset", "n", "schedule", "microbatches", "tok_s", "bound", "ratio",
+RECORD_KEYS = ("preset", "n", "schedule", "fuse", "microbatches", "tok_s", "bound", "ratio",
                "fsdp_tok_s", "peak_gib", "spread", "host_ms", "step_ms", "fsdp_peak_gib")
 
 
@@ -232,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--stages", type=int, default=4)
   parser.add_argument("--microbatches", type=int, default=16)
   parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["1f1b"])
+  parser.add_argument("--fuse", nargs="?", const=True, type=fuse_length, metavar="K",
+                      help="the pipeline runs with the example's --fuse [K]: each chunk's "
+                           "layers as one fused forward and backward (or segments of at most "
+                           "K layers); not with zero-bubble")
   parser.add_argument("--steps", type=int, help="per run (default: 3 rounds)")
   parser.add_argument("--round-steps", type=int, default=4)
   parser.add_argument("--busy", action="store_true",
@@ -249,6 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     return
   if rest:
     parser.error(f"unrecognized arguments: {' '.join(rest)}")
+  if args.fuse and "zero-bubble" in args.schedules:
+    parser.error("--fuse replays a chunk's layers as one backward; zero-bubble splits every "
+                 "backward (its deferred weight gradients): drop --fuse or zero-bubble from "
+                 "--schedules")
   if args.out is None:
     parser.error("--out is required: the runs' folders and llama_pipeline.json go there")
   args.steps = args.steps or 3 * args.round_steps
@@ -262,15 +282,15 @@ def main(argv: list[str] | None = None) -> None:
   device = f"{base['device_kind']}, {args.stages} of them"
   found: dict[str, Any] = {"command": command, "one_device": base, "fsdp": fsdp, "rows": []}
   for name in args.schedules:
-    run = train(args, name, "--pipeline", str(args.stages), "--schedule", name)
+    run = train(args, name, *pipeline_flags(args, name))
     r = row(args, run, base, fsdp)
     if args.busy:
       r["busy"] = busy(args, name)
     found["rows"].append(r)
-    print(f"{name}: {r['tok_s']:,} tok/s, bound {r['bound']:,} (bubble {r['bubble']:.3f}), "
-          f"ratio {r['ratio']}, FSDP {r['fsdp_tok_s']:,} tok/s, peak {r['peak_gib']} GiB "
-          f"(FSDP {r['fsdp_peak_gib']}), spread {r['spread']}%, host/step {r['host_ms']}/"
-          f"{r['step_ms']} ms ({r['host_step']})", flush=True)
+    print(f"{name} (fuse={r['fuse']}): {r['tok_s']:,} tok/s, bound {r['bound']:,} "
+          f"(bubble {r['bubble']:.3f}), ratio {r['ratio']}, FSDP {r['fsdp_tok_s']:,} tok/s, "
+          f"peak {r['peak_gib']} GiB (FSDP {r['fsdp_peak_gib']}), spread {r['spread']}%, "
+          f"host/step {r['host_ms']}/{r['step_ms']} ms ({r['host_step']})", flush=True)
     write_json(args.out / "llama_pipeline.json", found)
     if args.record:  # after every row: a run cut short keeps what is done
       args.record.write_text("\n".join(record_lines(found["rows"], device, command,

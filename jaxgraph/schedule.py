@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxgraph import _fusion as fusion_lib
 from jaxgraph import _graphed as graphed_lib
 from jaxgraph import _pullback as pullback_lib
 
@@ -498,6 +499,25 @@ def _vjp(layer: graphed_lib.GraphedCallable, args: tuple[Any, ...], microbatch: 
                          with_pullback=True)
 
 
+def _chunk_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any], x: Any,
+               consts: tuple[Any, ...], microbatch: int,
+               runs: Sequence[tuple[int, int, fusion_lib.FusedSegment | None]]
+               ) -> tuple[Any, list[tuple[int, int, graphed_lib.Pullback]]]:
+  """A chunk's forward: each run with a segment as one fused replay (one by one where it
+  cannot replay fused), each other layer on its own; `(y, [(lo, hi, pullback), ...])`."""
+  steps = []
+  for lo, hi, segment in runs:
+    replayed = None if segment is None else segment.vjp_chain(params[lo:hi], x, consts, None)
+    if replayed is not None:
+      x, pullback = replayed
+      steps.append((lo, hi, pullback))
+      continue
+    for i in range(lo, hi):
+      x, pullback = _vjp(layers[i], (params[i], x, *consts), microbatch)
+      steps.append((i, i + 1, pullback))
+  return x, steps
+
+
 def _tree_add(total: Any, grad: Any) -> Any:
   """`total + grad`, leaf by leaf; a float0 gradient (an integer leaf's, or one `grad_mask`
   leaves out) stays float0."""
@@ -529,11 +549,20 @@ class Pipeline:
       `delay_wgrad=True`. Without them, such layers run each wgrad right after its backward.
     loss_fn: `loss_fn(output, target) -> scalar loss` of one microbatch.
     devices: None (no placement), or one device per chunk.
+    fuse: boundary fusion inside each chunk (`sequential_vjp`'s `fuse`): a chunk's forward
+      replays each run of its adjacent layers without replay-time hooks (from one
+      `make_graphed` call, with the same offload setting) as one executable, and its
+      backward as one, compiled on the first step (identical runs share them): a chunk of
+      hook-free layers is one forward and one backward call a microbatch, not one a layer.
+      The same keys, counters and math as unfused. An int `k` cuts each run into segments
+      of at most `k` layers; `fuse=1` is unfused. Layers with a replay-time hook run one by
+      one, their hooks told the microbatch. Not with `delay_wgrad=True` layers (a fused
+      segment does not split its backward).
   """
 
   def __init__(self, chunks: Sequence[Sequence[graphed_lib.GraphedCallable]],
                order: Sequence[float], *, loss_fn: Callable[[Any, Any], jax.Array],
-               devices: Sequence[jax.Device] | None = None):
+               devices: Sequence[jax.Device] | None = None, fuse: bool | int = False):
     self.chunks = [list(chunk) for chunk in chunks]
     layers = [layer for chunk in self.chunks for layer in chunk]
     if not layers or any(not chunk for chunk in self.chunks):
@@ -547,6 +576,19 @@ class Pipeline:
       raise ValueError("some layers were built with delay_wgrad=True and some without; build "
                        "every layer of a pipeline the same way.")
     self.delay_wgrad = delay.pop()
+    if isinstance(fuse, bool):
+      self._longest = None if fuse else 1
+    elif isinstance(fuse, int) and fuse >= 1:
+      self._longest = fuse
+    else:
+      raise TypeError(f"Pipeline takes fuse= a bool, or an int >= 1 (the longest fused run, "
+                      f"in layers), got {fuse!r}.")
+    if self.delay_wgrad and self._longest != 1:
+      raise ValueError(
+          f"Pipeline got fuse={fuse!r} with layers built with delay_wgrad=True: a fused "
+          "segment runs one backward, it does not split it into dgrad and wgrad. Pass "
+          "fuse=False to keep the split backwards (e.g. for a zero-bubble order), or build "
+          "the layers without delay_wgrad (and an order without wgrad entries) to fuse them.")
     self.parsed = parse_order(order, delay_wgrad=self.delay_wgrad)
     if self.parsed.num_chunks != len(self.chunks):
       raise ValueError(f"the order has {self.parsed.num_chunks} chunks but Pipeline got "
@@ -611,8 +653,12 @@ class Pipeline:
     last = len(chunks) - 1
     acts: dict[tuple[int, int], Any] = {}      # (chunk, microbatch) -> output of the chunk
     cts: dict[tuple[int, int], Any] = {}       # (chunk, microbatch) -> cotangent of its output
-    pullbacks: dict[tuple[int, int], list[graphed_lib.Pullback]] = {}
-    waiting: dict[tuple[int, int], list[graphed_lib.Pullback]] = {}
+    # (chunk, microbatch) -> (first layer, end layer, pullback) per replayed run of the chunk
+    pullbacks: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
+    waiting: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
+    # Per chunk, its runs (hooks decide them: read once a step) and their fused segments.
+    runs = [[(lo, hi, fusion_lib.segment(chunk[lo:hi]) if hi - lo > 1 else None)
+             for lo, hi in fusion_lib.runs(chunk, self._longest)] for chunk in chunks]
     grads: list[Any] = [None] * len(chunks)  # per chunk, its layers' running sums
     owned = [False] * len(chunks)  # whether grads[c] came from _sum (so may be donated)
 
@@ -628,11 +674,7 @@ class Pipeline:
       if kind == "forward":
         x = self._place(inputs[m] if c == 0 else acts.pop((c - 1, m)), c)
         side = () if consts is None else self._place(consts[m], c)
-        chunk_pullbacks = []
-        for layer, p in zip(chunks[c], params[c]):
-          x, pullback = _vjp(layer, (p, x, *side), m)
-          chunk_pullbacks.append(pullback)
-        pullbacks[c, m] = chunk_pullbacks
+        x, pullbacks[c, m] = _chunk_vjp(chunks[c], params[c], x, side, m, runs[c])
         if c == last:
           result.outputs[m] = x
           result.losses[m], cts[c, m] = self._loss_grad(x, self._place(targets[m], c))
@@ -641,18 +683,19 @@ class Pipeline:
       elif kind == "backward":
         ct = self._place(cts.pop((c, m)), c)
         chunk_pullbacks = pullbacks.pop((c, m))
-        new = [None] * len(chunk_pullbacks)
-        for l in reversed(range(len(chunk_pullbacks))):
-          # Async offload: this layer's residuals first (the chunk's top layer), then the next
-          # layer's, which come back during this backward.
-          chunk_pullbacks[l].prefetch()
-          if l:
-            chunk_pullbacks[l - 1].prefetch()
-          g_params, ct = chunk_pullbacks[l](ct)[:2]  # the consts' gradients dropped
+        new = [None] * len(chunks[c])
+        for position in reversed(range(len(chunk_pullbacks))):
+          lo, hi, pullback = chunk_pullbacks[position]
+          # Async offload: this run's residuals first (the chunk's top run), then the next
+          # run's, which come back during this backward.
+          pullback.prefetch()
+          if position:
+            chunk_pullbacks[position - 1][2].prefetch()
+          g_params, ct = pullback(ct)[:2]  # the consts' gradients dropped
           if not self.delay_wgrad:
-            new[l] = g_params
+            new[lo:hi] = g_params if hi - lo > 1 else [g_params]
           elif not parsed.has_wgrad:
-            new[l] = chunk_pullbacks[l].wgrad()[0]
+            new[lo] = pullback.wgrad()[0]  # delay_wgrad: unfused, one layer a run
         if not parsed.has_wgrad:
           grads[c] = accumulate(c, new)
         else:
@@ -663,5 +706,5 @@ class Pipeline:
           cts[c - 1, m] = ct
       else:
         chunk_pullbacks = waiting.pop((c, m))
-        grads[c] = accumulate(c, [pullback.wgrad()[0] for pullback in chunk_pullbacks])
+        grads[c] = accumulate(c, [pullback.wgrad()[0] for _, _, pullback in chunk_pullbacks])
     return result

@@ -136,17 +136,20 @@ def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_pat
 @pytest.mark.cpu_only
 def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
   """benchmarks/llama_pipeline.py trains the example on one device, with --fsdp 2 and by
-  stages (2 virtual devices) and records each schedule's tokens/s against its bubble's bound
-  (simulated from the order the run recorded), FSDP's tokens/s and the host time a step."""
+  stages (2 virtual devices; --fuse: each chunk's layers fused, in the pipeline run only) and
+  records each schedule's tokens/s against its bubble's bound (simulated from the order the
+  run recorded), FSDP's tokens/s and the host time a step."""
   record = tmp_path / "pipeline.txt"
   run = run_script("llama_pipeline", "--preset", "tiny", "--stages", "2", "--microbatches", "2",
-                   "--round-steps", "1", "--schedules", "1f1b", "--cache",
+                   "--round-steps", "1", "--schedules", "1f1b", "--fuse", "--cache",
                    str(tmp_path / "cache"), "--out", str(tmp_path), "--record", str(record),
                    devices=2)
   found = json.loads((tmp_path / "llama_pipeline.json").read_text())
   (row,) = found["rows"]
   base, fsdp = found["one_device"], found["fsdp"]
   metrics = json.loads((tmp_path / "1f1b" / "metrics.json").read_text())
+  assert metrics["config"]["fuse"] is True and row["fuse"] is True
+  assert "--fuse" in row["command"] and "--fuse" not in base["command"] + fsdp["command"]
   bubble = schedule.bubble_fraction(metrics["pipeline"]["order"], stages=2)
   bound = 2 * base["tokens_per_second"] * (1 - bubble)
   assert row["bound"] == round(bound) and row["ratio"] == round(row["tok_s"] / bound, 3)
@@ -158,7 +161,7 @@ def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
   lines = record.read_text().splitlines()
   assert [line.split()[0] for line in lines] == [
       "commit", "device", "jax", "xla_flags", "date", "command", "row"]
-  assert f"schedule=1f1b microbatches=2 tok_s={row['tok_s']}" in lines[-1]
+  assert f"schedule=1f1b fuse=True microbatches=2 tok_s={row['tok_s']}" in lines[-1]
   assert f"fsdp_tok_s={row['fsdp_tok_s']} " in lines[-1]
   assert all(f"{name}: " in run.stdout for name in ("one-device", "fsdp-2", "1f1b"))
 

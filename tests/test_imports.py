@@ -27,10 +27,11 @@ FLOORS: dict[int, tuple[str, ...]] = {
     3: ("_pullback",),
     4: ("_cache",),
     5: ("_graphed",),
-    6: ("_fusion", "prefetch", "schedule"),
-    7: ("_chain", "_checks"),
-    8: ("_api",),
-    9: ("__init__",),
+    6: ("_fusion", "prefetch"),
+    7: ("_chain", "schedule"),
+    8: ("_checks",),
+    9: ("_api",),
+    10: ("__init__",),
 }
 APART = ("flax",)
 

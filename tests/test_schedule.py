@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import jaxgraph as jg
 from jaxgraph import schedule
-from models import devices_for
+from models import devices_for, dropout_mlp, init_mlp
 
 WIDTH, BATCH = 8, 4
 TE_ORDER = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
@@ -498,6 +498,76 @@ def test_pipeline_host_work_a_step(monkeypatch):
   assert sums == ["_sum", "_sum"] + ["_sum_into"] * 2 * (microbatches - 2)
   assert all(g["w"].devices() == {devices[c]} for c, chunk in enumerate(result.grads)
              for g in chunk)
+
+
+@pytest.mark.devices(2)
+def test_fused_chunks_match_unfused_bitwise_in_fewer_calls(monkeypatch):
+  """`fuse=True`: each chunk's hook-free runs replay as one segment (chunk 1 whole; chunk 2's
+  first two layers, its hooked last layer alone, its hooks told the microbatch): bitwise the
+  unfused outputs, losses, grads, input grads and key counters over 2 SGD steps, with
+  dropout; one per-layer replay a microbatch left (the hooked layer's), no recompile."""
+  devices, sizes, microbatches = devices_for(2)[:2], [2, 3], 2
+  params = [jax.device_put(init_mlp(k, WIDTH, 2 * WIDTH), devices[i >= 2])
+            for i, k in enumerate(jax.random.split(jax.random.key(0), 5))]
+  inputs, targets = make_batches(microbatches)
+  order = schedule.merge_ranks([schedule.one_f_one_b(microbatches, pipeline_parallel_size=2,
+                                                     rank=r) for r in range(2)])
+  logs: dict[bool, list[tuple[Any, ...]]] = {True: [], False: []}
+  per_layer: dict[bool, int] = {True: 0, False: 0}
+  original_vjp = schedule._vjp
+
+  def counted_vjp(layer, args, microbatch):
+    per_layer[fused] += 1
+    return original_vjp(layer, args, microbatch)
+
+  monkeypatch.setattr(schedule, "_vjp", counted_vjp)
+  runs, layers = {}, {}
+  for fused in (True, False):
+    layers[fused] = jg.make_graphed(
+        [dropout_mlp] * 5, [None] * 4 + [_recording_hooks(logs[fused])], rng=True,
+        sample_args=[(p, jax.device_put(inputs[0], p["w1"].sharding)) for p in params],
+        num_warmup_iters=0)
+    logs[fused].clear()  # replay hooks fire at capture too
+    pipeline = schedule.Pipeline(split(layers[fused], sizes), order, loss_fn=loss_fn,
+                                 devices=devices, fuse=fused)
+    weights, results, compiles = split(params, sizes), [], []
+    for _ in range(2):
+      results.append(pipeline(weights, inputs, targets))
+      weights = [[sgd(p, g) for p, g in zip(ps, gs)]
+                 for ps, gs in zip(weights, results[-1].grads)]
+      compiles.append(sum(layer.stats.compiles for layer in layers[fused]))
+    runs[fused] = results, weights, compiles
+  for fused_result, plain_result in zip(runs[True][0], runs[False][0]):
+    assert_trees_equal(fused_result.outputs, plain_result.outputs)
+    assert_trees_equal(fused_result.losses, plain_result.losses)
+    assert_trees_equal(fused_result.grads, plain_result.grads)
+    assert_trees_equal(fused_result.input_grads, plain_result.input_grads)
+  assert_trees_equal(runs[True][1], runs[False][1])
+  assert ([layer.rng_counter for layer in layers[True]]
+          == [layer.rng_counter for layer in layers[False]] == [2 * microbatches] * 5)
+  assert logs[True] == logs[False]
+  assert sorted({e[3] for e in logs[True]}) == list(range(microbatches))
+  assert {e[2] for e in logs[True]} == {4}
+  # Two segments, each one forward and one backward call a microbatch; the hooked layer alone.
+  segments = list(layers[True][0].config.segments.values())
+  assert [len(s._layers) for s in segments] == [2, 2]
+  assert all(s.stats.replays == s.stats.backward_replays == 2 * microbatches
+             for s in segments)
+  assert per_layer == {True: 2 * microbatches, False: 5 * 2 * microbatches}
+  assert runs[True][2][0] == runs[True][2][1]  # no recompile on the second step
+  assert all(layer.stats.fallbacks == 0 for layer in layers[True])
+
+
+def test_fuse_refuses_delay_wgrad_and_bad_values():
+  split_layers = _graphed_chunks(2, True)
+  with pytest.raises(ValueError, match="delay_wgrad=True.*fuse=False.*without delay_wgrad"):
+    schedule.Pipeline([[layer] for layer in split_layers], [1, 2, -2, -1], loss_fn=loss_fn,
+                      fuse=True)
+  layers = _graphed_chunks(2, False)
+  for bad in (0, 1.5, "2"):
+    with pytest.raises(TypeError, match="fuse= a bool, or an int >= 1"):
+      schedule.Pipeline([[layer] for layer in layers], [1, 2, -2, -1], loss_fn=loss_fn,
+                        fuse=bad)
 
 
 # ------------------------------------------------------------------------ property tests

@@ -83,7 +83,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                            "segments of at most K blocks (fuse=K: at most two compiles, a "
                            "K-block segment's and, when K does not divide the depth, the "
                            "remainder's; with --fsdp a block's all-gather can run under the "
-                           "block before): fewer host calls, the same kernels; the fused "
+                           "block before; with --pipeline each chunk's layers, 1f1b and "
+                           "interleaved): fewer host calls, the same kernels; the fused "
                            "executables compile on the first step")
   parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction,
                       help="with --fsdp: each block's forward also gathers the next block's "

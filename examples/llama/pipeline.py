@@ -30,7 +30,6 @@ SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
 # What each flag that --pipeline refuses does instead (`check_flags`).
 CONFLICTS = {
     "--fsdp": "shards every part over the devices instead of placing parts on them",
-    "--fuse": "replays the blocks through sequential_vjp, not the pipeline's order",
     "--offload": "plans its copies for the blocks of one device",
     "--prefetch": "gathers the next block's FSDP shards",
     "--whole-step": "trains without graphed layers",
@@ -40,7 +39,8 @@ CONFLICTS = {
 
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, depth: int) -> None:
-  """--pipeline, --schedule: refuses (`parser.error`, one line) what does not combine."""
+  """--pipeline, --schedule: refuses (`parser.error`, one line) what does not combine
+  (--fuse combines with 1f1b and interleaved: each chunk's layers as one fused segment)."""
   if args.pipeline is None:
     if args.schedule is not None:
       parser.error("--schedule orders a pipeline's stages: it needs --pipeline N")
@@ -49,7 +49,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, depth
   if n < 1:
     parser.error(f"--pipeline takes a number of stages >= 1, got {n}")
   given = [flag for flag, on in (
-      ("--fsdp", args.fsdp is not None), ("--fuse", bool(args.fuse)),
+      ("--fsdp", args.fsdp is not None),
       ("--offload", args.offload.kind != "none"), ("--prefetch", bool(args.prefetch)),
       ("--whole-step", args.whole_step), ("--plain-ends", args.plain_ends),
       ("--lora", args.lora is not None)) if on]
@@ -57,6 +57,10 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, depth
     flag = given[0]
     parser.error(f"--pipeline does not combine with {', '.join(given)} ({flag} "
                  f"{CONFLICTS[flag]}): drop {'them' if len(given) > 1 else 'it'}")
+  if args.fuse and args.schedule == "zero-bubble":
+    parser.error("--fuse replays a chunk's layers as one backward; --schedule zero-bubble "
+                 "splits every backward to defer its weight gradients (delay_wgrad): drop "
+                 "--fuse, or pass --schedule 1f1b or interleaved")
   chunks = n * (2 if args.schedule == "interleaved" else 1)
   if chunks > depth:
     parser.error(f"--pipeline {n}"
@@ -242,13 +246,14 @@ class PipelineTrainer:
 
   def __init__(self, layers: Sequence[jg.GraphedCallable], config: Config,
                tx: optax.GradientTransformation, microbatches: int, stages: Stages,
-               positions: jax.Array):
-    """`tx`: the AdamW after the clip (`trainer.adamw`)."""
+               positions: jax.Array, *, fuse: bool | int = False):
+    """`tx`: the AdamW after the clip (`trainer.adamw`); `fuse`: --fuse, each chunk's layers
+    replayed as fused segments (`jg.schedule.Pipeline(..., fuse=...)`)."""
     self.layers, self.config, self.microbatches = layers, config, microbatches
     self.stages = stages
     chunks = [[layers[i] for i in parts] for parts in stages.ranges()]
     self.pipeline = schedule.Pipeline(chunks, stages.order, loss_fn=loss_of,
-                                      devices=stages.chunk_devices)
+                                      devices=stages.chunk_devices, fuse=fuse)
     self.positions = {device: jax.device_put(positions, device) for device in stages.devices}
     self.parts = stages.stage_parts()
     self._sums = jax.jit(functools.partial(square_sums, microbatches))

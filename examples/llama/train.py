@@ -244,7 +244,8 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
           f"{trainer.compile_seconds:.1f} s)")
   elif stages is not None:
     trainer = PipelineTrainer(captured.train, config, adamw(preset, preset.steps),
-                              preset.microbatches, stages, captured.positions)
+                              preset.microbatches, stages, captured.positions,
+                              fuse=args.fuse or False)
   else:
     trainer = Trainer(captured.train, config, tx, preset.microbatches, params, opt_state,
                       placement, fuse=args.fuse or False, prefetch=args.prefetch,
