@@ -125,29 +125,62 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
     raise TypeError(f"sequential_vjp takes fuse= a bool, or an int >= 1 (the longest fused "
                     f"run, in layers), got {fuse!r}.")
   if prefetch is None:
-    prefetch = longest == 1 and prefetch_lib.default(params_list)
-  elif prefetch and longest != 1:
-    raise ValueError("sequential_vjp prefetches unfused layers only: pass fuse=False (or 1) "
-                     "with prefetch=True, or prefetch=False with fuse.")
-  if prefetch:
-    runs = prefetch_lib.runs(layers, params_list)
-  else:
-    runs = [(lo, hi, hi - lo > 1) for lo, hi in fusion_lib.runs(layers, longest)]
-  steps = []
-  for lo, hi, joined in runs:
+    prefetch = prefetch_lib.default(params_list)
+  steps: list[tuple[int, int, Any]] = []
+  for cuts, prefetched in _plan(layers, params_list, longest, bool(prefetch)):
+    lo, hi = cuts[0][0], cuts[-1][1]
     replayed = None
-    if joined:  # prefetching, or fused; None where the run cannot replay so
-      some_keys = None if keys is None else keys[lo:hi]
-      replayed = (prefetch_lib.chain_vjp(layers[lo:hi], params_list[lo:hi], x, consts,
-                                         some_keys) if prefetch else
-                  fusion_lib.segment(layers[lo:hi]).vjp_chain(params_list[lo:hi], x, consts,
-                                                              some_keys))
+    if prefetched:  # None where the chain cannot replay so: its segments as without prefetch
+      replayed = prefetch_lib.chain_vjp(
+          layers[lo:hi], params_list[lo:hi], x, consts, None if keys is None else keys[lo:hi],
+          tuple((a - lo, b - lo) for a, b in cuts))
     if replayed is not None:
       x, pullback = replayed
       steps.append((lo, hi, pullback))
       continue
-    x = _one_by_one(layers, params_list, x, consts, keys, lo, hi, steps)
+    for lo, hi in cuts:
+      x = _segment(layers, params_list, x, consts, keys, lo, hi, steps)
   return x, SequentialPullback(steps)
+
+
+Plan = list[tuple[tuple[tuple[int, int], ...], bool]]
+
+
+def _plan(layers: Sequence[GraphedCallable], params_list: Sequence[Any], longest: int | None,
+          prefetch: bool) -> Plan:
+  """How a chain replays: a list of `(cuts, prefetched)`, `cuts` the `[lo, hi)` segments of
+  one run (fused where longer than one layer, `fusion_lib.runs`); with `prefetched`, two or
+  more segments replayed as one prefetching chain (`prefetch_lib.chain_vjp`), else one."""
+  found = prefetch_lib.runs(layers, params_list) if prefetch else [(0, len(layers), False)]
+  merged: list[tuple[int, int, bool]] = []  # neighbours that do not prefetch, as one
+  for lo, hi, prefetched in found:
+    if merged and not prefetched and not merged[-1][2]:
+      merged[-1] = (merged[-1][0], hi, False)
+    else:
+      merged.append((lo, hi, prefetched))
+  plan: Plan = []
+  for lo, hi, prefetched in merged:
+    cuts = tuple((lo + a, lo + b) for a, b in fusion_lib.runs(layers[lo:hi], longest))
+    if prefetched and len(cuts) > 1:
+      plan.append((cuts, True))
+    else:
+      plan.extend(((cut,), False) for cut in cuts)
+  return plan
+
+
+def _segment(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any,
+             consts: tuple[Any, ...], keys: Sequence[jax.Array] | None, lo: int, hi: int,
+             steps: list[tuple[int, int, Any]]) -> Any:
+  """Layers `[lo, hi)` replayed as one fused segment, or each on its own where they are one
+  layer or cannot replay fused; their pullbacks appended to `steps`."""
+  if hi - lo > 1:
+    replayed = fusion_lib.segment(layers[lo:hi]).vjp_chain(
+        params_list[lo:hi], x, consts, None if keys is None else keys[lo:hi])
+    if replayed is not None:
+      x, pullback = replayed
+      steps.append((lo, hi, pullback))
+      return x
+  return _one_by_one(layers, params_list, x, consts, keys, lo, hi, steps)
 
 
 def _one_by_one(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any,

@@ -27,9 +27,9 @@ FLOORS: dict[int, tuple[str, ...]] = {
     3: ("_pullback",),
     4: ("_cache",),
     5: ("_graphed",),
-    6: ("_fusion", "prefetch", "schedule"),
-    7: ("_chain", "_checks"),
-    8: ("_api",),
+    6: ("_fusion", "schedule"),
+    7: ("_checks", "prefetch"),
+    8: ("_api", "_chain"),
     9: ("__init__",),
 }
 APART = ("flax",)

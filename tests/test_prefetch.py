@@ -34,13 +34,13 @@ def block(p, x, *, key):
   return y - 0.5 * jnp.mean(y, axis=0)
 
 
-def init(seed: int = 0) -> list[dict[str, np.ndarray]]:
+def init(seed: int = 0, n: int = LAYERS) -> list[dict[str, np.ndarray]]:
   rng = np.random.default_rng(seed)
   return [dict(w1=(rng.standard_normal((D, H)) / D ** 0.5).astype(np.float32),
                b1=(rng.standard_normal((H,)) * 0.1).astype(np.float32),
                w2=(rng.standard_normal((H, D)) / H ** 0.5).astype(np.float32),
                scale=np.ones((D,), np.float32))
-          for _ in range(LAYERS)]
+          for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -50,32 +50,35 @@ def mesh():
     yield fsdp.make_mesh(devices=devices)
 
 
-def _setup(mesh, gather_dtype=None, fn=block):
-  """Graphed layers over flat FSDP buffers, a batch-sharded input and per-layer keys."""
-  flat = fsdp.shard([jg.flat.ravel(p) for p in init()], mesh, gather_dtype=gather_dtype)
+def _setup(mesh, gather_dtype=None, fn=block, n=LAYERS):
+  """`n` graphed layers over flat FSDP buffers and a batch-sharded input."""
+  flat = fsdp.shard([jg.flat.ravel(p) for p in init(n=n)], mesh, gather_dtype=gather_dtype)
   x = jax.device_put(np.random.default_rng(1).standard_normal((BATCH, D)).astype(np.float32),
                      fsdp.batch_sharding(mesh))
-  layers = jg.make_graphed([fn] * LAYERS, sample_args=[(p, x) for p in flat], rng=True,
+  layers = jg.make_graphed([fn] * n, sample_args=[(p, x) for p in flat], rng=True,
                            num_warmup_iters=0)
   return layers, flat, x
 
 
-def _train(layers, flat, x, mesh, *, prefetch, steps=2):
+def _train(layers, flat, x, mesh, *, prefetch, steps=2, fuse=False, after_step=None):
   """SGD steps over the stack; returns the losses, each step's grads and the final input
-  gradient (the keys are the same in every run: fresh masks each step)."""
+  gradient (the keys are the same in every run: fresh masks each step). `after_step()` runs
+  after each step."""
   tx = optax.sgd(0.1)
   state = tx.init(flat)
   update = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(
       *tx.update(g, s, p)), out_shardings=(fsdp.shardings(flat, mesh), None))
   losses, all_grads = [], []
   for step in range(steps):
-    keys = list(jax.random.split(jax.random.key(step), LAYERS))
-    y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=prefetch)
+    keys = list(jax.random.split(jax.random.key(step), len(layers)))
+    y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=prefetch, fuse=fuse)
     loss, ct = jax.value_and_grad(lambda y: jnp.mean(y ** 2))(y)
     grads, g_x = pullback(ct)
     flat, state = update(grads, state, flat)
     losses.append(np.asarray(loss))
     all_grads.append(grads)
+    if after_step is not None:
+      after_step()
   return np.array(losses), all_grads, g_x, flat
 
 
@@ -213,8 +216,8 @@ def test_a_layer_that_cannot_prefetch_runs_as_before_and_says_so(mesh, caplog):
 
 @pytest.mark.devices(8)
 def test_prefetch_default_is_the_platform_gate(mesh, monkeypatch):
-  """Unset, prefetch is on where `PREFETCH_PLATFORMS` names the mesh's platform and no fuse
-  is asked; prefetch=True with fuse is refused, naming both ways out."""
+  """Unset, prefetch is on where `PREFETCH_PLATFORMS` names the mesh's platform (with `fuse`
+  as without: test_prefetch_composes_with_fuse)."""
   layers, flat, x = _setup(mesh)
   keys = list(jax.random.split(jax.random.key(0), LAYERS))
 
@@ -227,12 +230,63 @@ def test_prefetch_default_is_the_platform_gate(mesh, monkeypatch):
   jg.sequential_vjp(layers, flat, x, keys=keys)[1](jnp.ones((BATCH, D)))
   assert prefetch_steps() == 0
   monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({platform}))
-  jg.sequential_vjp(layers, flat, x, keys=keys, fuse=2)[1](jnp.ones((BATCH, D)))
-  assert prefetch_steps() == 0
   jg.sequential_vjp(layers, flat, x, keys=keys)[1](jnp.ones((BATCH, D)))
   assert prefetch_steps() == LAYERS
-  with pytest.raises(ValueError, match="prefetch=False with fuse"):
-    jg.sequential_vjp(layers, flat, x, keys=keys, fuse=2, prefetch=True)
+
+
+@pytest.mark.devices(8)
+def test_prefetch_composes_with_fuse(mesh, monkeypatch):
+  """`fuse=2` over 9 layers: segments of 2 and a remainder of one, each a step of the
+  prefetching chain, by default (`prefetch=None`) where `PREFETCH_PLATFORMS` names the
+  platform, as without `fuse`. Losses, every layer's gradients and the input's gradient over two SGD
+  steps with dropout: bitwise those of the same segments unprefetched (the same math: the
+  weights gathered as stored, each gradient reduced over the same devices). One capture per
+  position (first, middle, last: the remainder), the middle ones shared, none on replay,
+  counted by the layers' `stats`. The middle segment's forward gathers its second layer's
+  buffer and the next segment's first, not its own first layer's (the segment below
+  gathered it); its backward reduces the same two gradients (the next segment's first
+  layer's handed down), not its first layer's (returned unreduced: the segment below reduces
+  it, or the gradients above would not be bitwise)."""
+  n = 9
+  layers, flat, x = _setup(mesh, n=n)
+  platform = mesh.devices.flat[0].platform
+  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({"none"}))
+  plain = _train(layers, flat, x, mesh, prefetch=None, fuse=2)
+  assert not any(prefetch_lib.steps_of(layer) for layer in layers)
+  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({platform}))
+
+  def counts():  # per layer: captures, cache hits, compiles
+    return np.array([s[:3] for s in (layer.stats for layer in layers)])
+
+  after = [counts()]
+  prefetched = _train(layers, flat, x, mesh, prefetch=None, fuse=2,
+                      after_step=lambda: after.append(counts()))
+  np.testing.assert_array_equal(plain[0], prefetched[0])
+  for step_plain, step_pre in zip(plain[1], prefetched[1]):
+    assert len(step_pre) == n
+    for a, b in zip(step_plain, step_pre):
+      assert b.layout == a.layout
+      assert all(np.array_equal(u, v) for u, v in zip(_buffers(a), _buffers(b)))
+      assert all(u.sharding == v.sharding for u, v in zip(a.buffers, b.buffers))
+  np.testing.assert_array_equal(plain[2], prefetched[2])
+  steps = {i: [s for s in prefetch_lib.steps_of(layer) if s.executables.entries]
+           for i, layer in enumerate(layers)}
+  assert {i: [len(s.layers) for s in found] for i, found in steps.items() if found} == {
+      0: [2], 2: [2], 4: [2], 6: [2], 8: [1]}
+  # The first step captured the first, middle and last segment (counted on the layer that
+  # leads each); the other middles hit the middle's capture; the second step, nothing.
+  added = after[1] - after[0]
+  assert list(added[:, 0]) == [1, 0, 1, 0, 0, 0, 0, 0, 1]
+  assert list(added[:, 1]) == [0, 0, 0, 0, 1, 0, 1, 0, 0]
+  np.testing.assert_array_equal(after[2], after[1])
+  first, middle, last = steps[0][0], steps[2][0], steps[8][0]
+  (length,) = {spec.length for spec in flat[0].layout.buffers}
+  found = []
+  for step in (first, middle, last):
+    (entry,) = step.executables.entries.values()
+    found.append((_collectives(entry.forward["explicit", True].as_text(), length),
+                  _collectives(entry.backward["full"][0].as_text(), length)))
+  assert found == [(3, 3), (2, 2), (0, 0)]
 
 
 @pytest.mark.devices(8)
