@@ -13,6 +13,11 @@ executable's compute:
   collective), and layer i's backward reduce-scatters it into layer i+1's shards beside its
   own compute; the bottom layer gathers and reduces its own weights.
 
+With `fuse=K` each fused segment of K layers is one step of the chain: its first layer takes
+the weights the segment below gathered, and hands its gradient down unreduced; its other
+layers gather their own inside the segment's executable (where XLA runs each gather under the
+layers before it) and reduce-scatter their gradients in its backward.
+
 The layer function is the user's, unchanged, in the global view: it gets its params as it
 would unprefetched. Only flat FSDP buffers (`jg.fsdp.shard` of `jg.flat.ravel` trees) are
 prefetched: the gather of a buffer is one collective, and its gradient one reduce-scatter.

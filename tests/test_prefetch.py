@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import jaxgraph as jg
+from jaxgraph import _fusion as fusion_lib
 from jaxgraph import fsdp
 from jaxgraph import prefetch as prefetch_lib
 from models import devices_for
@@ -242,7 +243,8 @@ def test_prefetch_composes_with_fuse(mesh, monkeypatch):
   steps with dropout: bitwise those of the same segments unprefetched (the same math: the
   weights gathered as stored, each gradient reduced over the same devices). One capture per
   position (first, middle, last: the remainder), the middle ones shared, none on replay,
-  counted by the layers' `stats`. The middle segment's forward gathers its second layer's
+  counted by the layers' `stats`; which layers fuse and prefetch is read on the first step,
+  and kept for the second. The middle segment's forward gathers its second layer's
   buffer and the next segment's first, not its own first layer's (the segment below
   gathered it); its backward reduces the same two gradients (the next segment's first
   layer's handed down), not its first layer's (returned unreduced: the segment below reduces
@@ -254,6 +256,10 @@ def test_prefetch_composes_with_fuse(mesh, monkeypatch):
   plain = _train(layers, flat, x, mesh, prefetch=None, fuse=2)
   assert not any(prefetch_lib.steps_of(layer) for layer in layers)
   monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({platform}))
+  planned = []  # which layers fuse and prefetch: read on the first step, kept for the next
+  for module in (prefetch_lib, fusion_lib):
+    monkeypatch.setattr(module, "runs", lambda *args, runs=module.runs, name=module.__name__: (
+        planned.append(name), runs(*args))[1])
 
   def counts():  # per layer: captures, cache hits, compiles
     return np.array([s[:3] for s in (layer.stats for layer in layers)])
@@ -261,6 +267,7 @@ def test_prefetch_composes_with_fuse(mesh, monkeypatch):
   after = [counts()]
   prefetched = _train(layers, flat, x, mesh, prefetch=None, fuse=2,
                       after_step=lambda: after.append(counts()))
+  assert planned == ["jaxgraph.prefetch", "jaxgraph._fusion"]
   np.testing.assert_array_equal(plain[0], prefetched[0])
   for step_plain, step_pre in zip(plain[1], prefetched[1]):
     assert len(step_pre) == n
