@@ -89,7 +89,7 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       remainder of one layer replays unfused), the host calls fall `k`-fold, and inside a
       segment XLA's scheduler can overlap a layer's FSDP all-gather with the layer before's
       compute. `fuse=1` is unfused. With `prefetch`, each segment is one step of the
-      prefetching chain (below).
+      prefetching chain (below), and a run compiles its first, middle and last segment.
     prefetch: FSDP prefetch across executables (`jaxgraph.prefetch`): in each run of
       adjacent layers whose params are flat FSDP buffers (`jg.fsdp.shard` of FlatTrees) and
       that have no replay-time hook, delayed wgrad or offload, layer i's forward also

@@ -377,11 +377,6 @@ class ChainPullback:
                               [self._twin.to_auto(b) for b in buffers])
 
 
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
-                                                     weak_type=a.weak_type), tree)
-
-
 def _sharded(tree: flat_lib.FlatTree) -> Sharded:
   return Sharded(tree.buffers, tree.layout)
 
@@ -438,7 +433,8 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
   ready = config.prefetch.get(key)
   if ready is None:
     try:
-      ready = _capture_all(steps, _abstract(list(params)), cuts, _abstract(args))
+      ready = _capture_all(steps, sig_lib.abstract_tree(list(params)), cuts,
+                            sig_lib.abstract_tree(args))
     except Exception as e:  # noqa: BLE001 - any trace failure: the unprefetched run says more
       ready = False
       logger.warning(
