@@ -414,19 +414,18 @@ def _capture_all(steps: Sequence[PrefetchStep], params: Sequence[Any], cuts: Cut
 
 
 def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any], x: Any,
-              consts: tuple[Any, ...], keys: Sequence[jax.Array] | None,
-              cuts: Cuts | None = None) -> tuple[Any, ChainPullback] | None:
-  """The prefetching forward of a run of eligible layers, one step per layer or, with `cuts`
-  (`[lo, hi)` of the run, two or more), per fused segment; None where it cannot run: a
-  layer that does not trace on the Explicit twin of its mesh (said once on the `jaxgraph`
-  logger) or a step past its max_captures. The run then goes unprefetched."""
-  if cuts is None:
-    cuts = tuple((i, i + 1) for i in range(len(layers)))
+              consts: tuple[Any, ...], keys: Sequence[jax.Array] | None, cuts: Cuts
+              ) -> tuple[Any, ChainPullback] | None:
+  """The prefetching forward of a run of eligible layers, one step per segment of `cuts`
+  (`[lo, hi)` of the run, two or more; a segment of one layer, or fused); None where it
+  cannot run: a layer that does not trace on the Explicit twin of its mesh (said once on the
+  `jaxgraph` logger) or a step past its max_captures. The run then goes unprefetched."""
   twin = explicit_lib.twin(params[0].layout.gather.mesh)
   steps = _steps(layers, cuts, twin)
   args = _step_args(params, cuts, 0, _sharded(params[0]), x, consts)
   leaves, treedef = jax.tree.flatten(args)
-  if any(isinstance(leaf, jax.core.Tracer) for leaf in (*leaves, *(keys or ()))):
+  if any(isinstance(leaf, jax.core.Tracer)
+         for leaf in (*leaves, *(() if keys is None else keys))):
     return None
   config = layers[0].config
   key = (tuple(steps), sig_lib.signature_of(leaves, treedef))
@@ -453,8 +452,9 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
     step_args = args if i == 0 else _step_args(params, cuts, i, first, x, consts)
     if keys is None:
       out, pullback = step.vjp(*step_args)
-    else:
-      out, pullback = step.vjp(*step_args, key=keys[lo] if hi - lo == 1 else tuple(keys[lo:hi]))
+    else:  # a segment's: one key per layer
+      step_key = keys[lo] if hi - lo == 1 else tuple(keys[lo:hi])
+      out, pullback = step.vjp(*step_args, key=step_key)
     handed_like.append(first if i else None)
     x, first = (out, None) if i + 1 == len(steps) else out
     pullbacks.append(pullback)
