@@ -83,6 +83,14 @@ def _train(layers, flat, x, mesh, *, prefetch, steps=2, fuse=False, after_step=N
   return np.array(losses), all_grads, g_x, flat
 
 
+def _prefetch_default(monkeypatch, mesh, on: bool) -> None:
+  """`prefetch=None` forced on or off for `mesh`'s platform (the `platform_gate` fixture
+  forces the default backend's: the 8 devices may be the CPU's beside fewer GPUs)."""
+  platforms, here = prefetch_lib.PREFETCH_PLATFORMS, mesh.devices.flat[0].platform
+  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS",
+                      platforms | {here} if on else platforms - {here})
+
+
 def _unsharded_grads(step: int = 0):
   """`jax.grad` of the same stack, unsharded, on one device (the reference math)."""
   params = [jax.tree.map(jnp.asarray, p) for p in init()]
@@ -103,14 +111,18 @@ def _buffers(tree):
 
 
 @pytest.mark.devices(8)
-def test_prefetch_is_the_unprefetched_math(mesh):
+def test_prefetch_is_the_unprefetched_math(mesh, monkeypatch):
   """Losses, every layer's gradients and the input's gradient over two SGD steps with
   dropout: bitwise those of the same stack unprefetched (the weights gathered as stored),
   and, to rounding, `jax.grad` of the unsharded model (another program: its sums add in
-  another order)."""
+  another order). Unset, prefetch is on where `PREFETCH_PLATFORMS` names the mesh's
+  platform."""
   layers, flat, x = _setup(mesh)
-  plain = _train(layers, flat, x, mesh, prefetch=False)
-  prefetched = _train(layers, flat, x, mesh, prefetch=True)
+  _prefetch_default(monkeypatch, mesh, False)
+  plain = _train(layers, flat, x, mesh, prefetch=None)
+  assert not any(prefetch_lib.steps_of(layer) for layer in layers)
+  _prefetch_default(monkeypatch, mesh, True)
+  prefetched = _train(layers, flat, x, mesh, prefetch=None)
   np.testing.assert_array_equal(plain[0], prefetched[0])
   for step_plain, step_pre in zip(plain[1], prefetched[1]):
     for a, b in zip(step_plain, step_pre):
@@ -216,26 +228,6 @@ def test_a_layer_that_cannot_prefetch_runs_as_before_and_says_so(mesh, caplog):
 
 
 @pytest.mark.devices(8)
-def test_prefetch_default_is_the_platform_gate(mesh, monkeypatch):
-  """Unset, prefetch is on where `PREFETCH_PLATFORMS` names the mesh's platform (with `fuse`
-  as without: test_prefetch_composes_with_fuse)."""
-  layers, flat, x = _setup(mesh)
-  keys = list(jax.random.split(jax.random.key(0), LAYERS))
-
-  def prefetch_steps():
-    return sum(isinstance(s, prefetch_lib.PrefetchStep)
-               for s in layers[0].config.segments.values())
-
-  platform = mesh.devices.flat[0].platform
-  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({"none"}))
-  jg.sequential_vjp(layers, flat, x, keys=keys)[1](jnp.ones((BATCH, D)))
-  assert prefetch_steps() == 0
-  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({platform}))
-  jg.sequential_vjp(layers, flat, x, keys=keys)[1](jnp.ones((BATCH, D)))
-  assert prefetch_steps() == LAYERS
-
-
-@pytest.mark.devices(8)
 def test_prefetch_composes_with_fuse(mesh, monkeypatch):
   """`fuse=2` over 7 layers: segments of 2 and a remainder of one, each a step of the
   prefetching chain, by default (`prefetch=None`) where `PREFETCH_PLATFORMS` names the
@@ -251,11 +243,10 @@ def test_prefetch_composes_with_fuse(mesh, monkeypatch):
   it, or the gradients above would not be bitwise)."""
   n = 7
   layers, flat, x = _setup(mesh, n=n)
-  platform = mesh.devices.flat[0].platform
-  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({"none"}))
+  _prefetch_default(monkeypatch, mesh, False)
   plain = _train(layers, flat, x, mesh, prefetch=None, fuse=2)
   assert not any(prefetch_lib.steps_of(layer) for layer in layers)
-  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({platform}))
+  _prefetch_default(monkeypatch, mesh, True)
   planned = []  # which layers fuse and prefetch: read on the first step, kept for the next
   for module in (prefetch_lib, fusion_lib):
     monkeypatch.setattr(module, "runs", lambda *args, runs=module.runs, name=module.__name__: (
