@@ -116,7 +116,9 @@ def test_prefetch_is_the_unprefetched_math(mesh, monkeypatch):
   dropout: bitwise those of the same stack unprefetched (the weights gathered as stored),
   and, to rounding, `jax.grad` of the unsharded model (another program: its sums add in
   another order). Unset, prefetch is on where `PREFETCH_PLATFORMS` names the mesh's
-  platform."""
+  platform. Each collective goes to the executable beside it: the first step gathers and
+  reduces its own buffer and the next layer's; a middle step the next layer's, not its own
+  (its gradient returned unreduced); the last step none."""
   layers, flat, x = _setup(mesh)
   _prefetch_default(monkeypatch, mesh, False)
   plain = _train(layers, flat, x, mesh, prefetch=None)
@@ -142,6 +144,8 @@ def test_prefetch_is_the_unprefetched_math(mesh, monkeypatch):
   assert [len(s.executables.entries) for s in steps] == [1] * LAYERS
   assert sum(s.counts.captures for s in steps) == 3
   assert [layer.stats.replays for layer in layers] == [4] * LAYERS  # 2 steps of each path
+  assert _handed_collectives(layers, flat) == {
+      (True, True): (2, 2), (False, True): (1, 1), (False, False): (0, 0)}
 
 
 def _collectives(hlo: str, length: int) -> int:
@@ -155,34 +159,26 @@ def _collectives(hlo: str, length: int) -> int:
   return found
 
 
-@pytest.mark.devices(8)
-def test_prefetch_hands_each_collective_to_the_next_executable(mesh):
-  """The middle step's forward gathers the next layer's buffer and not its own; its backward
-  reduces the next layer's gradient and not its own (returned unreduced); the last step
-  neither gathers nor reduces a buffer; the first gathers and reduces both."""
-  layers, flat, x = _setup(mesh)
-  keys = list(jax.random.split(jax.random.key(0), LAYERS))
-  y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=True)
-  pullback(jnp.ones_like(y))
+def _handed_collectives(layers, flat) -> dict[tuple[bool, bool], tuple[int, int]]:
+  """Per prefetching step replayed, by (gathers its own first layer's buffer, gathers the next
+  step's): how many buffers its forward's and its backward's collectives move (for a fused
+  segment, its other layers' too). Checks that every placed input and output of a step's
+  executables is on the Explicit twin: jax 0.11 refuses to lower a program whose shardings
+  are on two meshes, even twins."""
   (length,) = {spec.length for spec in flat[0].layout.buffers}
   found = {}
-  for key, step in layers[0].config.segments.items():
+  for step in layers[0].config.segments.values():
     if isinstance(step, prefetch_lib.PrefetchStep) and step.executables.entries:
       (entry,) = step.executables.entries.values()
-      forward = entry.forward["explicit", True].as_text()
-      backward = entry.backward["full"][0].as_text()
-      own = step.fn.own
-      gathers_next = len(entry.layout.out_specs) > 1
-      # Every placed input and output of a step's executables is on the Explicit twin: jax
-      # 0.11 refuses to lower a program whose shardings are on two meshes, even twins.
-      for exe in (entry.forward["explicit", True], entry.backward["full"][0]):
+      forward, backward = entry.forward["explicit", True], entry.backward["full"][0]
+      for exe in (forward, backward):
         placed = [sh for sh in jax.tree.leaves((exe.input_shardings, exe.output_shardings))
                   if isinstance(sh, jax.sharding.NamedSharding)]
         assert placed and {sh.mesh.axis_types for sh in placed} == {
             (jax.sharding.AxisType.Explicit,)}
-      found[own, gathers_next] = (_collectives(forward, length),
-                                  _collectives(backward, length))
-  assert found == {(True, True): (2, 2), (False, True): (1, 1), (False, False): (0, 0)}
+      found[step.fn.own, len(entry.layout.out_specs) > 1] = (
+          _collectives(forward.as_text(), length), _collectives(backward.as_text(), length))
+  return found
 
 
 @pytest.mark.devices(8)
@@ -231,12 +227,12 @@ def test_a_layer_that_cannot_prefetch_runs_as_before_and_says_so(mesh, caplog):
 def test_prefetch_composes_with_fuse(mesh, monkeypatch):
   """`fuse=2` over 7 layers: segments of 2 and a remainder of one, each a step of the
   prefetching chain, by default (`prefetch=None`) where `PREFETCH_PLATFORMS` names the
-  platform, as without `fuse`. Losses, every layer's gradients and the input's gradient over two SGD
-  steps with dropout: bitwise those of the same segments unprefetched (the same math: the
-  weights gathered as stored, each gradient reduced over the same devices). One capture per
-  position (first, middle, last: the remainder), the middle ones shared, none on replay,
-  counted by the layers' `stats`; which layers fuse and prefetch is read on the first step,
-  and kept for the second. The middle segment's forward gathers its second layer's
+  platform, as without `fuse`. Losses, every layer's gradients and the input's gradient over
+  two SGD steps with dropout: bitwise those of the same segments unprefetched (the same
+  math: the weights gathered as stored, each gradient reduced over the same devices). One
+  capture per position (first, middle, last: the remainder), the middle ones shared, none on
+  replay, counted by the layers' `stats`; which layers fuse and prefetch is read on the first
+  step, and kept for the second. The middle segment's forward gathers its second layer's
   buffer and the next segment's first, not its own first layer's (the segment below
   gathered it); its backward reduces the same two gradients (the next segment's first
   layer's handed down), not its first layer's (returned unreduced: the segment below reduces
@@ -277,14 +273,10 @@ def test_prefetch_composes_with_fuse(mesh, monkeypatch):
   assert list(added[:, 0]) == [1, 0, 1, 0, 0, 0, 1]
   assert list(added[:, 1]) == [0, 0, 0, 0, 1, 0, 0]
   np.testing.assert_array_equal(after[2], after[1])
-  first, middle, last = steps[0][0], steps[2][0], steps[6][0]
-  (length,) = {spec.length for spec in flat[0].layout.buffers}
-  found = []
-  for step in (first, middle, last):
-    (entry,) = step.executables.entries.values()
-    found.append((_collectives(entry.forward["explicit", True].as_text(), length),
-                  _collectives(entry.backward["full"][0].as_text(), length)))
-  assert found == [(3, 3), (2, 2), (0, 0)]
+  # first (its own first layer's buffer, its second's, the next segment's first), middle
+  # (its second's and the next's, not its first's), last (the remainder of one: none)
+  assert _handed_collectives(layers, flat) == {
+      (True, True): (3, 3), (False, True): (2, 2), (False, False): (0, 0)}
 
 
 @pytest.mark.devices(8)
