@@ -8,7 +8,9 @@
 
 A row `PRESET:N[:FLAGS]` is the example's preset weak-scaled to N devices: its batch times N,
 sharded over N devices with `--fsdp N` (N = 1: one device, no mesh), so every device has the
-one-device run's work, with the example's extra FLAGS (`--fuse 4`). Each row runs in a fresh
+one-device run's work, with the example's extra FLAGS (`--fuse 4`: on GPUs with prefetch
+across the segments, the example's default; `--fuse 4 --no-prefetch` without; each row records
+which ran as `prefetch=on|off`). Each row runs in a fresh
 process driving its N devices (with --gpus G, rows that fit in G GPUs together run at once,
 each on GPUs of its own), and with --per-process also as N processes of one device each (`jax.distributed` on 127.0.0.1, one GPU visible to
 each). In a row's process the example's own parts build the graphed step (`Trainer`) and the

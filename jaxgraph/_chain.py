@@ -2,7 +2,8 @@
 
 The top of the replay path: each layer replays its own executable pair (`_graphed.py`); with
 `fuse=True` each run of hook-free neighbours replays as one (`_fusion.py`); with `prefetch`
-each run of FSDP layers hands its collectives from executable to executable (`prefetch.py`).
+each run of FSDP layers (or of fused segments) hands its collectives from executable to
+executable (`prefetch.py`).
 Imports run one way (docs/design.md): none of those imports this module.
 """
 
@@ -14,6 +15,7 @@ import jax
 
 from jaxgraph import _fusion as fusion_lib
 from jaxgraph import _pullback as pullback_lib
+from jaxgraph import flat as flat_lib
 from jaxgraph import prefetch as prefetch_lib
 from jaxgraph._graphed import GraphedCallable, Pullback  # by name: docs/api.md shows the types
 
@@ -86,18 +88,23 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       share one compile): at most two compiles per run, a segment's and its remainder's (a
       remainder of one layer replays unfused), the host calls fall `k`-fold, and inside a
       segment XLA's scheduler can overlap a layer's FSDP all-gather with the layer before's
-      compute. `fuse=1` is unfused.
+      compute. `fuse=1` is unfused. With `prefetch`, each segment is one step of the
+      prefetching chain (below), and a run compiles its first, middle and last segment.
     prefetch: FSDP prefetch across executables (`jaxgraph.prefetch`): in each run of
       adjacent layers whose params are flat FSDP buffers (`jg.fsdp.shard` of FlatTrees) and
       that have no replay-time hook, delayed wgrad or offload, layer i's forward also
       gathers layer i+1's weights, each layer's gathered weights are kept for its backward,
       and layer i's backward reduce-scatters layer i+1's weight gradient under its own
-      compute. The same math as unprefetched (the gradients' reductions may add in another
-      order); a run holds every layer's gathered weights from its forward to its backward.
-      Compiles three executable pairs per run of identical layers (its first, middle and
-      last). None (default): on GPUs (`prefetch.PREFETCH_PLATFORMS`), where the collectives
-      run beside compute, and not with `fuse`. A run whose layer does not trace on the
-      Explicit twin of its mesh runs unprefetched, said once on the `jaxgraph` logger.
+      compute. With `fuse`, the same across segments: a segment's forward also gathers the
+      next segment's first layer's weights and its backward reduce-scatters that layer's
+      gradient; the segment's other layers gather and reduce their own inside it. The same
+      math as unprefetched (the gradients' reductions may add in another order); a run
+      holds every layer's gathered weights from its forward to its backward. Compiles
+      three executable pairs per run of identical layers or segments (its first, middle
+      and last step; a shorter remainder is the last). None (default): on GPUs
+      (`prefetch.PREFETCH_PLATFORMS`), where the collectives run beside compute. A run whose
+      layer does not trace on the Explicit twin of its mesh runs unprefetched, said once on
+      the `jaxgraph` logger.
 
   Returns:
     `(y, pullback)` with `pullback(ct) -> (grads_list, g_x)`: `grads_list[i]` is the gradient
@@ -124,30 +131,79 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
   else:
     raise TypeError(f"sequential_vjp takes fuse= a bool, or an int >= 1 (the longest fused "
                     f"run, in layers), got {fuse!r}.")
-  if prefetch is None:
-    prefetch = longest == 1 and prefetch_lib.default(params_list)
-  elif prefetch and longest != 1:
-    raise ValueError("sequential_vjp prefetches unfused layers only: pass fuse=False (or 1) "
-                     "with prefetch=True, or prefetch=False with fuse.")
-  if prefetch:
-    runs = prefetch_lib.runs(layers, params_list)
-  else:
-    runs = [(lo, hi, hi - lo > 1) for lo, hi in fusion_lib.runs(layers, longest)]
-  steps = []
-  for lo, hi, joined in runs:
+  steps: list[tuple[int, int, Any]] = []
+  for cuts, chain in _plan_of(layers, params_list, longest, prefetch):
+    lo, hi = cuts[0][0], cuts[-1][1]
     replayed = None
-    if joined:  # prefetching, or fused; None where the run cannot replay so
-      some_keys = None if keys is None else keys[lo:hi]
-      replayed = (prefetch_lib.chain_vjp(layers[lo:hi], params_list[lo:hi], x, consts,
-                                         some_keys) if prefetch else
-                  fusion_lib.segment(layers[lo:hi]).vjp_chain(params_list[lo:hi], x, consts,
-                                                              some_keys))
+    if chain is not None:  # None where it cannot replay so: its segments as without prefetch
+      replayed = prefetch_lib.chain_vjp(layers[lo:hi], params_list[lo:hi], x, consts,
+                                        None if keys is None else keys[lo:hi], chain)
     if replayed is not None:
       x, pullback = replayed
       steps.append((lo, hi, pullback))
       continue
-    x = _one_by_one(layers, params_list, x, consts, keys, lo, hi, steps)
+    for lo, hi in cuts:
+      x = _segment(layers, params_list, x, consts, keys, lo, hi, steps)
   return x, SequentialPullback(steps)
+
+
+Cuts = tuple[tuple[int, int], ...]
+Plan = list[tuple[Cuts, Cuts | None]]
+
+
+def _plan_of(layers: Sequence[GraphedCallable], params_list: Sequence[Any],
+             longest: int | None, prefetch: bool | None) -> Plan:
+  """`_plan` (with `prefetch=None` as `prefetch_lib.default` says), kept in the first layer's
+  `Config` per layers, params' layouts, `fuse` and `prefetch`: what it reads of every layer
+  does not change between calls, and reading it again is host time on every step."""
+  if not layers:
+    return []
+  key = (tuple(layers), tuple(p.layout if flat_lib.is_flat(p) else None for p in params_list),
+         longest, prefetch, prefetch_lib.PREFETCH_PLATFORMS)
+  plans = layers[0].config.plans
+  plan = plans.get(key)
+  if plan is None:
+    on = prefetch_lib.default(params_list) if prefetch is None else bool(prefetch)
+    plan = plans[key] = _plan(layers, params_list, longest, on)
+  return plan
+
+
+def _plan(layers: Sequence[GraphedCallable], params_list: Sequence[Any], longest: int | None,
+          prefetch: bool) -> Plan:
+  """How a chain replays: a list of `(cuts, chain)`, `cuts` the `[lo, hi)` segments of one
+  run (fused where longer than one layer, `fusion_lib.runs`); `chain` None, one segment,
+  else two or more replayed as one prefetching chain (`prefetch_lib.chain_vjp`), the same
+  cuts counted from the run's first layer."""
+  found = prefetch_lib.runs(layers, params_list) if prefetch else [(0, len(layers), False)]
+  merged: list[tuple[int, int, bool]] = []  # neighbours that do not prefetch, as one
+  for lo, hi, prefetched in found:
+    if merged and not prefetched and not merged[-1][2]:
+      merged[-1] = (merged[-1][0], hi, False)
+    else:
+      merged.append((lo, hi, prefetched))
+  plan: Plan = []
+  for lo, hi, prefetched in merged:
+    cuts = tuple((lo + a, lo + b) for a, b in fusion_lib.runs(layers[lo:hi], longest))
+    if prefetched and len(cuts) > 1:
+      plan.append((cuts, tuple((a - lo, b - lo) for a, b in cuts)))
+    else:
+      plan.extend(((cut,), None) for cut in cuts)
+  return plan
+
+
+def _segment(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any,
+             consts: tuple[Any, ...], keys: Sequence[jax.Array] | None, lo: int, hi: int,
+             steps: list[tuple[int, int, Any]]) -> Any:
+  """Layers `[lo, hi)` replayed as one fused segment, or each on its own where they are one
+  layer or cannot replay fused; their pullbacks appended to `steps`."""
+  if hi - lo > 1:
+    replayed = fusion_lib.segment(layers[lo:hi]).vjp_chain(
+        params_list[lo:hi], x, consts, None if keys is None else keys[lo:hi])
+    if replayed is not None:
+      x, pullback = replayed
+      steps.append((lo, hi, pullback))
+      return x
+  return _one_by_one(layers, params_list, x, consts, keys, lo, hi, steps)
 
 
 def _one_by_one(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any,

@@ -94,6 +94,9 @@ class Config:
   segments: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
   # (a prefetching chain's steps, its first input signature) -> whether it prefetches
   prefetch: dict[tuple[Any, ...], bool] = dataclasses.field(default_factory=dict)
+  # (a chain's layers, its params' layouts, fuse, prefetch) -> how sequential_vjp replays it
+  # (`_chain._plan`: which layers fuse and prefetch, checked once, not on every call)
+  plans: dict[tuple[Any, ...], Any] = dataclasses.field(default_factory=dict)
   # id -> closed-over weight a capture warned of (ConstantWeightWarning once per array)
   warned_weights: dict[int, Any] = dataclasses.field(default_factory=dict)
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)

@@ -179,19 +179,20 @@ def _assemble(leaves: Sequence[Any], slots: Sequence[Slot], spec: BufferSpec,
   return _reshape(jax.lax.concatenate(pieces, 1), (spec.length,))
 
 
-def _gather_dtype(dtype: np.dtype, gather: Gather) -> np.dtype:
+def gather_dtype(dtype: np.dtype, gather: Gather) -> np.dtype:
   """The dtype a buffer of `dtype` is gathered in: `gather.dtype` for a floating one; an
-  integer buffer keeps its own (its values would not survive a float cast)."""
+  integer buffer keeps its own (its values would not survive a float cast). The package's,
+  not in `__all__`."""
   if gather.dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     return dtype
   return gather.dtype
 
 
 def _all_gather(buffer: Any, gather: Gather) -> Any:
-  """The whole buffer on every device, from its shards: one all-gather, in `_gather_dtype`
+  """The whole buffer on every device, from its shards: one all-gather, in `gather_dtype`
   (the shard is cast before the collective; XLA does not move a cast across a gather whose
   result feeds several slices)."""
-  dtype = _gather_dtype(buffer.dtype, gather)
+  dtype = gather_dtype(buffer.dtype, gather)
   return jax.shard_map(lambda shard: jax.lax.all_gather(shard.astype(dtype), gather.axis,
                                                         tiled=True),
                        mesh=gather.mesh, in_specs=PartitionSpec(gather.axis),
@@ -221,7 +222,7 @@ def _gathered_leaves_jvp(spec: BufferSpec, slots: tuple[Slot, ...], gather: Gath
   """The gathered leaves, and their tangents sliced from the buffer's tangent as it lies,
   each leaf's pieces on the devices of their chunks (`_slice` with `_pieces_sharding`)."""
   (buffer,), (tangent,) = primals, tangents
-  sharding, dtype = _pieces_sharding(gather), _gather_dtype(spec.dtype, gather)
+  sharding, dtype = _pieces_sharding(gather), gather_dtype(spec.dtype, gather)
   leaves = [_slice(tangent, slot, spec, sharding).astype(dtype) for slot in slots]
   return _gathered_leaves(buffer, spec, slots, gather), leaves
 
@@ -306,7 +307,8 @@ def _flatten(tree: FlatTree) -> tuple[tuple[Any, ...], FlatLayout]:
   return tree.buffers, tree.layout
 
 
-def _unflatten(layout: FlatLayout, buffers: Sequence[Any]) -> FlatTree:
+def unflatten(layout: FlatLayout, buffers: Sequence[Any]) -> FlatTree:
+  """A FlatTree of `layout` holding `buffers`, unchecked (the package's, not in `__all__`)."""
   # JAX unflattens with anything as leaves (tracers, shardings, None, optax's MaskedNode):
   # no checks here.
   tree = object.__new__(FlatTree)
@@ -315,7 +317,7 @@ def _unflatten(layout: FlatLayout, buffers: Sequence[Any]) -> FlatTree:
   return tree
 
 
-jax.tree_util.register_pytree_with_keys(FlatTree, _flatten_with_keys, _unflatten, _flatten)
+jax.tree_util.register_pytree_with_keys(FlatTree, _flatten_with_keys, unflatten, _flatten)
 
 
 def _check_buffer(buffer: Any, spec: BufferSpec, layout: FlatLayout) -> None:
@@ -404,7 +406,7 @@ def ravel(tree: Any, *, group: Callable[[tuple[Any, ...], Any], Group] | None = 
   layout = FlatLayout(treedef, tuple(slots),
                       tuple(BufferSpec(g, d, n, n) for g, d, n in specs))
   buffers = [_concatenate(parts, spec.dtype) for parts, spec in zip(members, layout.buffers)]
-  return _unflatten(layout, buffers)
+  return unflatten(layout, buffers)
 
 
 def _concatenate(parts: Sequence[Any], dtype: np.dtype) -> Any:
@@ -446,7 +448,7 @@ def mask(tree: Any, predicate: Callable[[Group], bool]) -> Any:
     if not isinstance(node, FlatTree):
       raise TypeError(f"flat.mask: found a {type(node).__name__} leaf outside any FlatTree; "
                       "mask takes FlatTrees (or pytrees of them), whose buffers have groups.")
-    return _unflatten(node.layout,
+    return unflatten(node.layout,
                                    [bool(predicate(s.group)) for s in node.layout.buffers])
 
   return jax.tree.map(node_mask, tree, is_leaf=is_flat)
@@ -508,7 +510,7 @@ def with_gather(tree: FlatTree, gather: Gather | None) -> FlatTree:
     raise TypeError(f"flat.with_gather takes a FlatTree, got {type(tree).__name__}.")
   if gather is not None and gather.dtype is not None:
     gather = gather._replace(dtype=np.dtype(gather.dtype))
-  return _unflatten(dataclasses.replace(tree.layout, gather=gather), tree.buffers)
+  return unflatten(dataclasses.replace(tree.layout, gather=gather), tree.buffers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,11 @@ executable's compute:
   collective), and layer i's backward reduce-scatters it into layer i+1's shards beside its
   own compute; the bottom layer gathers and reduces its own weights.
 
+With `fuse=K` each fused segment of K layers is one step of the chain: its first layer takes
+the weights the segment below gathered, and hands its gradient down unreduced; its other
+layers gather their own inside the segment's executable (where XLA runs each gather under the
+layers before it) and reduce-scatter their gradients in its backward.
+
 The layer function is the user's, unchanged, in the global view: it gets its params as it
 would unprefetched. Only flat FSDP buffers (`jg.fsdp.shard` of `jg.flat.ravel` trees) are
 prefetched: the gather of a buffer is one collective, and its gradient one reduce-scatter.
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgraph import _explicit as explicit_lib
+from jaxgraph import _fusion as fusion_lib
 from jaxgraph import _graphed as graphed_lib
 from jaxgraph import _hooks as hooks_lib
 from jaxgraph import _pullback as pullback_lib
@@ -46,6 +52,8 @@ __all__ = ["PREFETCH_PLATFORMS", "PrefetchStep", "eligible", "steps_of"]
 PREFETCH_PLATFORMS = frozenset({"gpu"})
 
 logger = logging.getLogger("jaxgraph")
+
+Cuts = tuple[tuple[int, int], ...]  # a chain's steps: per step, its layers [lo, hi) of the run
 
 
 class Sharded:
@@ -69,7 +77,7 @@ jax.tree_util.register_pytree_node(
 def gathered_layout(layout: flat_lib.FlatLayout) -> flat_lib.FlatLayout:
   """The layout of `layout`'s buffers once gathered: its gathered buffers whole, in the
   gather's dtype, and nothing left to gather."""
-  buffers = tuple(spec._replace(dtype=flat_lib._gather_dtype(spec.dtype, layout.gather))
+  buffers = tuple(spec._replace(dtype=flat_lib.gather_dtype(spec.dtype, layout.gather))
                   if layout.gathered(k) else spec for k, spec in enumerate(layout.buffers))
   gathered = dataclasses.replace(layout, buffers=buffers, gather=None)
   _sources[gathered] = layout
@@ -91,7 +99,7 @@ def gather(tree: Sharded) -> flat_lib.FlatTree:
   buffers = []
   for k, (buffer, spec) in enumerate(zip(tree.buffers, layout.buffers)):
     if layout.gathered(k):
-      dtype = flat_lib._gather_dtype(spec.dtype, gather_)
+      dtype = flat_lib.gather_dtype(spec.dtype, gather_)
       if dtype != buffer.dtype:
         # Cast the shard, then gather: XLA would move the cast after the collective (twice
         # the bytes) where the gathered buffer is an output.
@@ -115,18 +123,22 @@ def _replicated_small(leaf: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Prefetching:
-  """`step(params, upcoming, x, *consts, key=None)`: one layer of a prefetching chain.
+  """`step(params, upcoming, x, *consts, key=None)`: one step of a prefetching chain: a layer,
+  or a fused segment of adjacent layers (`fn` a `_fusion.Composed` chain).
 
-  Computes `fn(params, x, *consts[, key=key])` on the layer's params gathered: the FlatTree
-  of `gathered_layout` the step below returned (unraveled by the capture), or, for the first
-  step (`own`), its own `Sharded` buffers, gathered here. Where `upcoming` (the next layer's
-  `Sharded` buffers) is not None it returns `(y, gather(upcoming))`. Equal (and hashed) by
-  its fields, so identical layers share one capture per position: the first of a chain, its
-  middle, its last.
+  Computes `fn(params, x, *consts[, key=key])` on the params gathered. A layer's params: the
+  FlatTree of `gathered_layout` the step below returned (unraveled by the capture), or, for
+  the first step (`own`), its own `Sharded` buffers, gathered here. A segment's: a tuple, its
+  first layer's params as a layer's, then each other layer's `Sharded` buffers, gathered here
+  (inside one executable XLA runs each gather under the layers before it) and their gradients
+  reduce-scattered by this step's backward. Where `upcoming` (the next step's first layer's
+  `Sharded` buffers) is not None it returns `(y, gather(upcoming))`. Equal (and hashed) by its
+  fields, so identical layers (segments) share one capture per position: the first of a
+  chain, its middle, its last.
   """
 
   fn: Callable[..., Any]
-  own: bool  # gathers its own params: the first layer of a chain
+  own: bool  # gathers its own (first layer's) params: the first step of a chain
 
   @property
   def __name__(self) -> str:
@@ -134,67 +146,111 @@ class Prefetching:
 
   def __call__(self, params: Any, upcoming: Sharded | None, x: Any, *consts: Any,
                key: Any = None) -> Any:
-    """The layer's output, and the next layer's weights gathered where there is one."""
-    own = gather(params).unravel() if self.own else params
+    """The step's output, and the next step's weights gathered where there is one."""
+    fused = isinstance(self.fn, fusion_lib.Composed)
+    first = params[0] if fused else params
+    own = gather(first).unravel() if self.own else first
+    if fused:
+      own = [own, *(gather(p).unravel() for p in params[1:])]
     args = (jax.tree.map(_replicated_small, own), x, *consts)
     y = self.fn(*args) if key is None else self.fn(*args, key=key)
     return y if upcoming is None else (y, gather(upcoming))
 
 
 class PrefetchStep(graphed_lib.GraphedCallable):
-  """A layer replayed as one `Prefetching` of a prefetching chain: its function, key stream and
-  counters, its executables traced on the Explicit twin of its FSDP mesh. Captures and
-  compiles are counted on the layer's `stats`."""
+  """A layer, or a fused segment of adjacent layers, replayed as one `Prefetching` step of a
+  prefetching chain: the layers' functions, key streams and counters, its executables traced
+  on the Explicit twin of their FSDP mesh. Captures and compiles are counted on the first
+  layer's `stats`, replays on every layer's."""
 
-  def __init__(self, layer: graphed_lib.GraphedCallable, *, own: bool,
+  def __init__(self, layers: Sequence[graphed_lib.GraphedCallable], *, own: bool,
                twin: explicit_lib.Twin):
-    self._layer = layer
+    first = layers[0]
+    self._layers = tuple(layers)
     self._twin_mesh = twin
-    super().__init__(Prefetching(layer.fn, own), layer.index, layer.config,
+    if len(layers) == 1:
+      fn, name = first.fn, first.name
+    else:  # each layer under its own remat_policy, as a fused segment runs it
+      fn = fusion_lib.Composed(tuple(layer.fn for layer in layers),
+                               remat_policy=first.config.remat_policy)
+      name = f"{first.name}..{layers[-1].name}"
+    super().__init__(Prefetching(fn, own), first.index, first.config,
                      hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
-                     offload=False, name=f"prefetch({layer.name})")
+                     offload=False, name=f"prefetch({name})")
+
+  @property
+  def layers(self) -> tuple[graphed_lib.GraphedCallable, ...]:
+    """The layers this step replays, in order."""
+    return self._layers
+
+  @property
+  def n_keys(self) -> int:
+    return len(self._layers) if self.config.rng else 0
+
+  @property
+  def remat_policy(self) -> Callable[..., bool] | None:
+    return self.config.remat_policy if len(self._layers) == 1 else None  # a chain: per layer
+
+  @property
+  def warns_of_constant_keys(self) -> bool:
+    return len(self._layers) == 1  # a segment's layers warned at their own captures
 
   def twin(self, signature: sig_lib.Signature) -> explicit_lib.Twin:
     return self._twin_mesh
 
+  def flatten(self, args: tuple[Any, ...], key: Any, kwargs: dict[str, Any]
+              ) -> tuple[list[Any] | None, Any]:
+    """As a layer's; a segment's `key` is a tuple of one key per layer, each checked by its
+    layer."""
+    if key is None or len(self._layers) == 1:
+      return super().flatten(args, key, kwargs)
+    for layer, one in zip(self._layers, key, strict=True):
+      layer.flatten((), one, {})
+    return super().flatten(args, None, kwargs)
+
   def differentiated(self, signature: sig_lib.Signature) -> tuple[int, ...]:
-    """The params and upcoming buffers and `x` as the layer's `grad_mask` says of
-    `(params, x, *consts)` (on the FlatTree each stands for); the consts none (the chain
-    drops their gradients)."""
+    """The params and upcoming buffers and `x` as the layers' `grad_mask` says of
+    `(params, x, *consts)` (on the FlatTree each stands for; `x` as the first layer's says);
+    the consts none (the chain drops their gradients)."""
     params, upcoming, x, *consts = jax.tree.unflatten(
         signature.treedef, [sig_lib.abstract(s) for s in signature.leaves])
     mask = self.config.grad_mask
 
     def flags(tree: Any, n: int) -> list[bool]:
       layout = _sources.get(tree.layout, tree.layout)
-      as_flat = flat_lib._unflatten(layout, tree.buffers)  # the structure the mask is of
+      as_flat = flat_lib.unflatten(layout, tree.buffers)  # the structure the mask is of
       found = pullback_lib.mask_flags(mask, (as_flat, x, *consts))
       return [True] * n if found is None else list(found[:n])
 
-    n_params, n_x = len(params.buffers), len(jax.tree.leaves(x))
-    own = flags(params, n_params + n_x)
+    trees = list(params) if len(self._layers) > 1 else [params]
+    n_first, n_x = len(trees[0].buffers), len(jax.tree.leaves(x))
+    first = flags(trees[0], n_first + n_x)
+    own = first[:n_first] + [f for tree in trees[1:] for f in flags(tree, len(tree.buffers))]
     upcoming_flags = [] if upcoming is None else flags(upcoming, len(upcoming.buffers))
     return pullback_lib.differentiated_leaves(
-        signature, own[:n_params] + upcoming_flags + own[n_params:]
+        signature, own + upcoming_flags + first[n_first:]
         + [False] * len(jax.tree.leaves(consts)))
 
   def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
-    return self._layer.stream_inputs(stream)
+    return [value for layer in self._layers for value in layer.stream_inputs(stream)]
 
   def advance(self, counters: list[jax.Array]) -> None:
-    self._layer.advance(counters)
+    for layer, counter in zip(self._layers, counters):
+      layer.advance([counter])
 
   def count_replay(self, *, backward: bool) -> None:
     super().count_replay(backward=backward)
-    self._layer.count_replay(backward=backward)
+    for layer in self._layers:
+      layer.count_replay(backward=backward)
 
 
 def steps_of(layer: graphed_lib.GraphedCallable) -> list[PrefetchStep]:
-  """The prefetching steps `layer` has replayed as (its first-of-a-chain and later steps,
-  per mesh), each with the executables it captured: what to read for a prefetching chain's
-  HLO, where the layer's own executables do not run."""
+  """The prefetching steps `layer` leads (its first-of-a-chain and later steps, per mesh, as a
+  layer or the first of a fused segment: `PrefetchStep.layers`), each with the executables it
+  captured: what to read for a prefetching chain's HLO, where the layers' own executables do
+  not run."""
   return [step for key, step in layer.config.segments.items()
-          if isinstance(step, PrefetchStep) and step._layer is layer]
+          if isinstance(step, PrefetchStep) and step.layers[0] is layer]
 
 
 def eligible(layer: graphed_lib.GraphedCallable, params: Any) -> bool:
@@ -234,18 +290,19 @@ def runs(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any]
   return [(a, b, p and b - a > 1) for a, b, p in found]
 
 
-def _steps(layers: Sequence[graphed_lib.GraphedCallable], twin: explicit_lib.Twin
-           ) -> list[PrefetchStep]:
-  """The PrefetchSteps of a chain's layers (made once per layer and position, kept with
-  their `make_graphed` call; the layer's `stats` count their captures)."""
+def _steps(layers: Sequence[graphed_lib.GraphedCallable], cuts: Cuts,
+           twin: explicit_lib.Twin) -> list[PrefetchStep]:
+  """The PrefetchSteps of a chain's segments (made once per segment and position, kept with
+  their `make_graphed` call; the first layer's `stats` count their captures)."""
   config = layers[0].config
   steps = []
   with config.lock:
-    for i, layer in enumerate(layers):
-      key = (layer, "prefetch", i == 0, twin)
+    for lo, hi in cuts:
+      members = tuple(layers[lo:hi])
+      key = (*members, "prefetch", lo == 0, twin)
       found = config.segments.get(key)
       if found is None:
-        found = config.segments[key] = PrefetchStep(layer, own=i == 0, twin=twin)
+        found = config.segments[key] = PrefetchStep(members, own=lo == 0, twin=twin)
       steps.append(found)
   return steps
 
@@ -269,13 +326,15 @@ def _zero_if_float0(grad: Any, gathered: jax.Array) -> Any:
 class ChainPullback:
   """The backward of a prefetching chain: `(grads_list, g_x) = pullback(ct)`, one-shot.
 
-  Runs the steps' backwards top down, handing each step's unreduced weight gradient to the
-  step below, whose backward reduce-scatters it into the layer's shards.
+  Runs the steps' backwards top down, handing each step's unreduced gradient of its first
+  layer's weights to the step below, whose backward reduce-scatters it into that layer's
+  shards.
   """
 
-  def __init__(self, pullbacks: list[graphed_lib.Pullback], structures: list[Any],
-               handed_like: list[Any], twin: explicit_lib.Twin):
+  def __init__(self, pullbacks: list[graphed_lib.Pullback], cuts: Cuts,
+               structures: list[Any], handed_like: list[Any], twin: explicit_lib.Twin):
     self._pullbacks = pullbacks
+    self._cuts = cuts  # per step, its layers [lo, hi) of the chain
     self._twin = twin  # the gradients and the input's cotangent leave on its Auto mesh
     self._structures = structures  # per layer, its params' (a FlatTree's) pytree structure
     self._handed_like = handed_like  # per step, the gathered params it took (None: first)
@@ -292,75 +351,89 @@ class ChainPullback:
                        "without delay_wgrad=True).")
 
   def __call__(self, cotangent: Any) -> tuple[list[Any], Any]:
-    n = len(self._pullbacks)
-    grads: list[Any] = [None] * n
+    grads: list[Any] = [None] * len(self._structures)
     handed = None  # the unreduced gradient of the gathered weights of the step above
-    for j in reversed(range(n)):
+    for j in reversed(range(len(self._pullbacks))):
+      lo, hi = self._cuts[j]
       ct = cotangent if handed is None else (cotangent, handed)
       own, upcoming, cotangent = self._pullbacks[j](ct)[:3]
       if upcoming is not None:
-        grads[j + 1] = self._to_auto(self._structures[j + 1], upcoming.buffers)
+        grads[hi] = self._to_auto(hi, upcoming.buffers)
+      first, others = (own[0], own[1:]) if hi - lo > 1 else (own, ())
+      for i, tree in enumerate(others, lo + 1):  # a segment's: reduce-scattered in it
+        grads[i] = self._to_auto(i, tree.buffers)
       # dropped as the backward passes: a step's gathered weights live no longer than its
       # own pullback keeps them
       like, self._handed_like[j] = self._handed_like[j], None
       if j:
-        handed = jax.tree.map(_zero_if_float0, own, like)
+        handed = jax.tree.map(_zero_if_float0, first, like)
       else:
-        grads[0] = self._to_auto(self._structures[0], own.buffers)
+        grads[lo] = self._to_auto(lo, first.buffers)
     return grads, jax.tree.map(self._twin.to_auto, cotangent)
 
-  def _to_auto(self, structure: Any, buffers: Sequence[Any]) -> Any:
+  def _to_auto(self, layer: int, buffers: Sequence[Any]) -> Any:
     """A layer's gradient buffers as its params' FlatTree, on the params' Auto mesh."""
-    return jax.tree.unflatten(structure, [self._twin.to_auto(b) for b in buffers])
+    return jax.tree.unflatten(self._structures[layer],
+                              [self._twin.to_auto(b) for b in buffers])
 
 
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
-                                                     weak_type=a.weak_type), tree)
+def _sharded(tree: flat_lib.FlatTree) -> Sharded:
+  return Sharded(tree.buffers, tree.layout)
 
 
-def _capture_all(steps: Sequence[PrefetchStep], params: Sequence[Any], args: tuple[Any, ...]
-                 ) -> bool:
-  """Captures every step of a chain for its input signature before any runs (a step that
-  cannot would otherwise fail after the steps below it ran); False where a step is past
-  its `max_captures` (the chain then runs unprefetched, each layer under its own)."""
+def _step_args(params: Sequence[Any], cuts: Cuts, i: int, first: Any, x: Any,
+               consts: tuple[Any, ...]) -> tuple[Any, ...]:
+  """The arguments of step `i`: its params (`first`, the first layer's: gathered by the step
+  below, or `Sharded` for the first step; a segment's with its other layers' `Sharded`
+  buffers), the next step's first layer's `Sharded` buffers (None for the last), `x`, the
+  consts."""
+  lo, hi = cuts[i]
+  own = first if hi - lo == 1 else (first, *(_sharded(p) for p in params[lo + 1:hi]))
+  upcoming = _sharded(params[hi]) if i + 1 < len(cuts) else None
+  return (own, upcoming, x, *consts)
+
+
+def _capture_all(steps: Sequence[PrefetchStep], params: Sequence[Any], cuts: Cuts,
+                 args: tuple[Any, ...]) -> bool:
+  """Captures every step of a chain for its (abstract) input signature before any runs (a
+  step that cannot would otherwise fail after the steps below it ran); False where a step is
+  past its `max_captures` (the chain then runs unprefetched)."""
   consts = args[3:]
   for i, step in enumerate(steps):
     leaves, treedef = jax.tree.flatten(args)
     entry = step.executables.get(sig_lib.signature_of(leaves, treedef), sampled=True)
     if entry is None:
       return False
-    kind = "stream" if entry.layout.n_keys else "explicit"
-    out_info = entry.forward[kind, True].out_info[:entry.layout.n_out]
-    out = jax.tree.unflatten(entry.layout.out_treedef, out_info)
     if i + 1 == len(steps):
       break
-    upcoming = (None if i + 2 == len(steps) else
-                _abstract(Sharded(params[i + 2].buffers, params[i + 2].layout)))
-    y, gathered = out
-    args = (gathered, upcoming, y, *consts)
+    kind = "stream" if entry.layout.n_keys else "explicit"
+    out_info = entry.forward[kind, True].out_info[:entry.layout.n_out]
+    y, gathered = jax.tree.unflatten(entry.layout.out_treedef, out_info)
+    args = _step_args(params, cuts, i + 1, gathered, y, consts)
   return True
 
 
 def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[Any], x: Any,
-              consts: tuple[Any, ...], keys: Sequence[jax.Array] | None
+              consts: tuple[Any, ...], keys: Sequence[jax.Array] | None, cuts: Cuts
               ) -> tuple[Any, ChainPullback] | None:
-  """The prefetching forward of a run of eligible layers; None where it cannot run: a layer
-  that does not trace on the Explicit twin of its mesh (said once on the `jaxgraph` logger)
-  or a step past its max_captures. The run then goes unprefetched."""
+  """The prefetching forward of a run of eligible layers, one step per segment of `cuts`
+  (`[lo, hi)` of the run, two or more; a segment of one layer, or fused); None where it
+  cannot run: a layer that does not trace on the Explicit twin of its mesh (said once on the
+  `jaxgraph` logger) or a step past its max_captures. The run then goes unprefetched."""
   twin = explicit_lib.twin(params[0].layout.gather.mesh)
-  steps = _steps(layers, twin)
-  args = (Sharded(params[0].buffers, params[0].layout),
-          Sharded(params[1].buffers, params[1].layout), x, *consts)
+  steps = _steps(layers, cuts, twin)
+  args = _step_args(params, cuts, 0, _sharded(params[0]), x, consts)
   leaves, treedef = jax.tree.flatten(args)
-  if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+  if any(isinstance(leaf, jax.core.Tracer)
+         for leaf in (*leaves, *(() if keys is None else keys))):
     return None
   config = layers[0].config
   key = (tuple(steps), sig_lib.signature_of(leaves, treedef))
   ready = config.prefetch.get(key)
   if ready is None:
     try:
-      ready = _capture_all(steps, params, _abstract(args))
+      ready = _capture_all(steps, sig_lib.abstract_tree(list(params)), cuts,
+                            sig_lib.abstract_tree(args))
     except Exception as e:  # noqa: BLE001 - any trace failure: the unprefetched run says more
       ready = False
       logger.warning(
@@ -373,15 +446,17 @@ def chain_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[An
   if not ready:
     return None
   pullbacks, handed_like = [], []
-  gathered: Any = args[0]
+  first: Any = None  # the gathered weights of step i's first layer, from step i - 1
   for i, step in enumerate(steps):
-    upcoming = (Sharded(params[i + 1].buffers, params[i + 1].layout)
-                if i + 1 < len(steps) else None)
-    step_args = (gathered, upcoming, x, *consts)
-    out, pullback = (step.vjp(*step_args) if keys is None else
-                     step.vjp(*step_args, key=keys[i]))
-    handed_like.append(gathered if i else None)
-    x, gathered = (out, None) if upcoming is None else out
+    lo, hi = cuts[i]
+    step_args = args if i == 0 else _step_args(params, cuts, i, first, x, consts)
+    if keys is None:
+      out, pullback = step.vjp(*step_args)
+    else:  # a segment's: one key per layer
+      step_key = keys[lo] if hi - lo == 1 else tuple(keys[lo:hi])
+      out, pullback = step.vjp(*step_args, key=step_key)
+    handed_like.append(first if i else None)
+    x, first = (out, None) if i + 1 == len(steps) else out
     pullbacks.append(pullback)
   return jax.tree.map(twin.to_auto, x), ChainPullback(
-      pullbacks, [jax.tree.structure(p) for p in params], handed_like, twin)
+      pullbacks, cuts, [jax.tree.structure(p) for p in params], handed_like, twin)

@@ -27,9 +27,9 @@ FLOORS: dict[int, tuple[str, ...]] = {
     3: ("_pullback",),
     4: ("_cache",),
     5: ("_graphed",),
-    6: ("_fusion", "prefetch"),
-    7: ("_chain", "schedule"),
-    8: ("_checks",),
+    6: ("_fusion",),
+    7: ("prefetch", "schedule"),
+    8: ("_chain", "_checks"),
     9: ("_api",),
     10: ("__init__",),
 }

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import jaxgraph as jg
+from jaxgraph import _fusion as fusion_lib
 from jaxgraph import fsdp
 from jaxgraph import prefetch as prefetch_lib
 from models import devices_for
@@ -34,13 +35,13 @@ def block(p, x, *, key):
   return y - 0.5 * jnp.mean(y, axis=0)
 
 
-def init(seed: int = 0) -> list[dict[str, np.ndarray]]:
+def init(seed: int = 0, n: int = LAYERS) -> list[dict[str, np.ndarray]]:
   rng = np.random.default_rng(seed)
   return [dict(w1=(rng.standard_normal((D, H)) / D ** 0.5).astype(np.float32),
                b1=(rng.standard_normal((H,)) * 0.1).astype(np.float32),
                w2=(rng.standard_normal((H, D)) / H ** 0.5).astype(np.float32),
                scale=np.ones((D,), np.float32))
-          for _ in range(LAYERS)]
+          for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -50,33 +51,44 @@ def mesh():
     yield fsdp.make_mesh(devices=devices)
 
 
-def _setup(mesh, gather_dtype=None, fn=block):
-  """Graphed layers over flat FSDP buffers, a batch-sharded input and per-layer keys."""
-  flat = fsdp.shard([jg.flat.ravel(p) for p in init()], mesh, gather_dtype=gather_dtype)
+def _setup(mesh, gather_dtype=None, fn=block, n=LAYERS):
+  """`n` graphed layers over flat FSDP buffers and a batch-sharded input."""
+  flat = fsdp.shard([jg.flat.ravel(p) for p in init(n=n)], mesh, gather_dtype=gather_dtype)
   x = jax.device_put(np.random.default_rng(1).standard_normal((BATCH, D)).astype(np.float32),
                      fsdp.batch_sharding(mesh))
-  layers = jg.make_graphed([fn] * LAYERS, sample_args=[(p, x) for p in flat], rng=True,
+  layers = jg.make_graphed([fn] * n, sample_args=[(p, x) for p in flat], rng=True,
                            num_warmup_iters=0)
   return layers, flat, x
 
 
-def _train(layers, flat, x, mesh, *, prefetch, steps=2):
+def _train(layers, flat, x, mesh, *, prefetch, steps=2, fuse=False, after_step=None):
   """SGD steps over the stack; returns the losses, each step's grads and the final input
-  gradient (the keys are the same in every run: fresh masks each step)."""
+  gradient (the keys are the same in every run: fresh masks each step). `after_step()` runs
+  after each step."""
   tx = optax.sgd(0.1)
   state = tx.init(flat)
   update = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(
       *tx.update(g, s, p)), out_shardings=(fsdp.shardings(flat, mesh), None))
   losses, all_grads = [], []
   for step in range(steps):
-    keys = list(jax.random.split(jax.random.key(step), LAYERS))
-    y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=prefetch)
+    keys = list(jax.random.split(jax.random.key(step), len(layers)))
+    y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=prefetch, fuse=fuse)
     loss, ct = jax.value_and_grad(lambda y: jnp.mean(y ** 2))(y)
     grads, g_x = pullback(ct)
     flat, state = update(grads, state, flat)
     losses.append(np.asarray(loss))
     all_grads.append(grads)
+    if after_step is not None:
+      after_step()
   return np.array(losses), all_grads, g_x, flat
+
+
+def _prefetch_default(monkeypatch, mesh, on: bool) -> None:
+  """`prefetch=None` forced on or off for `mesh`'s platform (the `platform_gate` fixture
+  forces the default backend's: the 8 devices may be the CPU's beside fewer GPUs)."""
+  platforms, here = prefetch_lib.PREFETCH_PLATFORMS, mesh.devices.flat[0].platform
+  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS",
+                      platforms | {here} if on else platforms - {here})
 
 
 def _unsharded_grads(step: int = 0):
@@ -99,14 +111,20 @@ def _buffers(tree):
 
 
 @pytest.mark.devices(8)
-def test_prefetch_is_the_unprefetched_math(mesh):
+def test_prefetch_is_the_unprefetched_math(mesh, monkeypatch):
   """Losses, every layer's gradients and the input's gradient over two SGD steps with
   dropout: bitwise those of the same stack unprefetched (the weights gathered as stored),
   and, to rounding, `jax.grad` of the unsharded model (another program: its sums add in
-  another order)."""
+  another order). Unset, prefetch is on where `PREFETCH_PLATFORMS` names the mesh's
+  platform. Each collective goes to the executable beside it: the first step gathers and
+  reduces its own buffer and the next layer's; a middle step the next layer's, not its own
+  (its gradient returned unreduced); the last step none."""
   layers, flat, x = _setup(mesh)
-  plain = _train(layers, flat, x, mesh, prefetch=False)
-  prefetched = _train(layers, flat, x, mesh, prefetch=True)
+  _prefetch_default(monkeypatch, mesh, False)
+  plain = _train(layers, flat, x, mesh, prefetch=None)
+  assert not any(prefetch_lib.steps_of(layer) for layer in layers)
+  _prefetch_default(monkeypatch, mesh, True)
+  prefetched = _train(layers, flat, x, mesh, prefetch=None)
   np.testing.assert_array_equal(plain[0], prefetched[0])
   for step_plain, step_pre in zip(plain[1], prefetched[1]):
     for a, b in zip(step_plain, step_pre):
@@ -126,6 +144,8 @@ def test_prefetch_is_the_unprefetched_math(mesh):
   assert [len(s.executables.entries) for s in steps] == [1] * LAYERS
   assert sum(s.counts.captures for s in steps) == 3
   assert [layer.stats.replays for layer in layers] == [4] * LAYERS  # 2 steps of each path
+  assert _handed_collectives(layers, flat) == {
+      (True, True): (2, 2), (False, True): (1, 1), (False, False): (0, 0)}
 
 
 def _collectives(hlo: str, length: int) -> int:
@@ -139,34 +159,26 @@ def _collectives(hlo: str, length: int) -> int:
   return found
 
 
-@pytest.mark.devices(8)
-def test_prefetch_hands_each_collective_to_the_next_executable(mesh):
-  """The middle step's forward gathers the next layer's buffer and not its own; its backward
-  reduces the next layer's gradient and not its own (returned unreduced); the last step
-  neither gathers nor reduces a buffer; the first gathers and reduces both."""
-  layers, flat, x = _setup(mesh)
-  keys = list(jax.random.split(jax.random.key(0), LAYERS))
-  y, pullback = jg.sequential_vjp(layers, flat, x, keys=keys, prefetch=True)
-  pullback(jnp.ones_like(y))
+def _handed_collectives(layers, flat) -> dict[tuple[bool, bool], tuple[int, int]]:
+  """Per prefetching step replayed, by (gathers its own first layer's buffer, gathers the next
+  step's): how many buffers its forward's and its backward's collectives move (for a fused
+  segment, its other layers' too). Checks that every placed input and output of a step's
+  executables is on the Explicit twin: jax 0.11 refuses to lower a program whose shardings
+  are on two meshes, even twins."""
   (length,) = {spec.length for spec in flat[0].layout.buffers}
   found = {}
-  for key, step in layers[0].config.segments.items():
+  for step in layers[0].config.segments.values():
     if isinstance(step, prefetch_lib.PrefetchStep) and step.executables.entries:
       (entry,) = step.executables.entries.values()
-      forward = entry.forward["explicit", True].as_text()
-      backward = entry.backward["full"][0].as_text()
-      own = step.fn.own
-      gathers_next = len(entry.layout.out_specs) > 1
-      # Every placed input and output of a step's executables is on the Explicit twin: jax
-      # 0.11 refuses to lower a program whose shardings are on two meshes, even twins.
-      for exe in (entry.forward["explicit", True], entry.backward["full"][0]):
+      forward, backward = entry.forward["explicit", True], entry.backward["full"][0]
+      for exe in (forward, backward):
         placed = [sh for sh in jax.tree.leaves((exe.input_shardings, exe.output_shardings))
                   if isinstance(sh, jax.sharding.NamedSharding)]
         assert placed and {sh.mesh.axis_types for sh in placed} == {
             (jax.sharding.AxisType.Explicit,)}
-      found[own, gathers_next] = (_collectives(forward, length),
-                                  _collectives(backward, length))
-  assert found == {(True, True): (2, 2), (False, True): (1, 1), (False, False): (0, 0)}
+      found[step.fn.own, len(entry.layout.out_specs) > 1] = (
+          _collectives(forward.as_text(), length), _collectives(backward.as_text(), length))
+  return found
 
 
 @pytest.mark.devices(8)
@@ -212,27 +224,59 @@ def test_a_layer_that_cannot_prefetch_runs_as_before_and_says_so(mesh, caplog):
 
 
 @pytest.mark.devices(8)
-def test_prefetch_default_is_the_platform_gate(mesh, monkeypatch):
-  """Unset, prefetch is on where `PREFETCH_PLATFORMS` names the mesh's platform and no fuse
-  is asked; prefetch=True with fuse is refused, naming both ways out."""
-  layers, flat, x = _setup(mesh)
-  keys = list(jax.random.split(jax.random.key(0), LAYERS))
+def test_prefetch_composes_with_fuse(mesh, monkeypatch):
+  """`fuse=2` over 7 layers: segments of 2 and a remainder of one, each a step of the
+  prefetching chain, by default (`prefetch=None`) where `PREFETCH_PLATFORMS` names the
+  platform, as without `fuse`. Losses, every layer's gradients and the input's gradient over
+  two SGD steps with dropout: bitwise those of the same segments unprefetched (the same
+  math: the weights gathered as stored, each gradient reduced over the same devices). One
+  capture per position (first, middle, last: the remainder), the middle ones shared, none on
+  replay, counted by the layers' `stats`; which layers fuse and prefetch is read on the first
+  step, and kept for the second. The middle segment's forward gathers its second layer's
+  buffer and the next segment's first, not its own first layer's (the segment below
+  gathered it); its backward reduces the same two gradients (the next segment's first
+  layer's handed down), not its first layer's (returned unreduced: the segment below reduces
+  it, or the gradients above would not be bitwise)."""
+  n = 7
+  layers, flat, x = _setup(mesh, n=n)
+  _prefetch_default(monkeypatch, mesh, False)
+  plain = _train(layers, flat, x, mesh, prefetch=None, fuse=2)
+  assert not any(prefetch_lib.steps_of(layer) for layer in layers)
+  _prefetch_default(monkeypatch, mesh, True)
+  planned = []  # which layers fuse and prefetch: read on the first step, kept for the next
+  for module in (prefetch_lib, fusion_lib):
+    monkeypatch.setattr(module, "runs", lambda *args, runs=module.runs, name=module.__name__: (
+        planned.append(name), runs(*args))[1])
 
-  def prefetch_steps():
-    return sum(isinstance(s, prefetch_lib.PrefetchStep)
-               for s in layers[0].config.segments.values())
+  def counts():  # per layer: captures, cache hits, compiles
+    return np.array([s[:3] for s in (layer.stats for layer in layers)])
 
-  platform = mesh.devices.flat[0].platform
-  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({"none"}))
-  jg.sequential_vjp(layers, flat, x, keys=keys)[1](jnp.ones((BATCH, D)))
-  assert prefetch_steps() == 0
-  monkeypatch.setattr(prefetch_lib, "PREFETCH_PLATFORMS", frozenset({platform}))
-  jg.sequential_vjp(layers, flat, x, keys=keys, fuse=2)[1](jnp.ones((BATCH, D)))
-  assert prefetch_steps() == 0
-  jg.sequential_vjp(layers, flat, x, keys=keys)[1](jnp.ones((BATCH, D)))
-  assert prefetch_steps() == LAYERS
-  with pytest.raises(ValueError, match="prefetch=False with fuse"):
-    jg.sequential_vjp(layers, flat, x, keys=keys, fuse=2, prefetch=True)
+  after = [counts()]
+  prefetched = _train(layers, flat, x, mesh, prefetch=None, fuse=2,
+                      after_step=lambda: after.append(counts()))
+  assert planned == ["jaxgraph.prefetch", "jaxgraph._fusion"]
+  np.testing.assert_array_equal(plain[0], prefetched[0])
+  for step_plain, step_pre in zip(plain[1], prefetched[1]):
+    assert len(step_pre) == n
+    for a, b in zip(step_plain, step_pre):
+      assert b.layout == a.layout
+      assert all(np.array_equal(u, v) for u, v in zip(_buffers(a), _buffers(b)))
+      assert all(u.sharding == v.sharding for u, v in zip(a.buffers, b.buffers))
+  np.testing.assert_array_equal(plain[2], prefetched[2])
+  steps = {i: [s for s in prefetch_lib.steps_of(layer) if s.executables.entries]
+           for i, layer in enumerate(layers)}
+  assert {i: [len(s.layers) for s in found] for i, found in steps.items() if found} == {
+      0: [2], 2: [2], 4: [2], 6: [1]}
+  # The first step captured the first, middle and last segment (counted on the layer that
+  # leads each); the other middle hit the middle's capture; the second step, nothing.
+  added = after[1] - after[0]
+  assert list(added[:, 0]) == [1, 0, 1, 0, 0, 0, 1]
+  assert list(added[:, 1]) == [0, 0, 0, 0, 1, 0, 0]
+  np.testing.assert_array_equal(after[2], after[1])
+  # first (its own first layer's buffer, its second's, the next segment's first), middle
+  # (its second's and the next's, not its first's), last (the remainder of one: none)
+  assert _handed_collectives(layers, flat) == {
+      (True, True): (3, 3), (False, True): (2, 2), (False, False): (0, 0)}
 
 
 @pytest.mark.devices(8)

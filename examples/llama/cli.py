@@ -91,8 +91,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                            "weights and its backward reduce-scatters the gradient of the block "
                            "above (sequential_vjp(..., prefetch=True)), so the collectives run "
                            "under the blocks' compute; each block's gathered weights are kept "
-                           "for its backward (default: on GPUs without --fuse; --no-prefetch: "
-                           "each block gathers and reduces its own)")
+                           "for its backward; with --fuse K, each segment's forward gathers "
+                           "the next segment's first block's weights (default: on GPUs; "
+                           "--no-prefetch: each block gathers and reduces its own)")
   parser.add_argument("--residuals", choices=sorted(RESIDUAL_POLICIES), default="recompute",
                       help="what a graphed forward keeps for its backward: 'recompute' (default: "
                            "jaxgraph.residuals.recompute_elementwise, the whole step's device "
@@ -175,9 +176,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   if args.whole_step and args.check:
     parser.error("--check compares the graphed step with the whole-step jax.jit; with "
                  "--whole-step there is no graphed step: drop one of them")
-  if args.prefetch and args.fuse:
-    parser.error("--prefetch hands each block's collectives to the executable beside it, "
-                 "block by block; --fuse replays blocks as segments: drop one of them")
   if args.prefetch and args.fsdp is None:
     parser.error("--prefetch gathers the next block's FSDP shards: it needs --fsdp N")
   if args.whole_step and args.fuse:

@@ -51,10 +51,16 @@ def named_executables(layers: Sequence[Layer]) -> Iterator[tuple[str, Any]]:
   `"Block[1] forward"`: identical blocks replay one entry, named after the first, so a
   shared executable comes once per layer under one name. A block of a prefetching chain
   replays its step's (`"prefetch(Block[2]) forward"`: the first, middle and last block of
-  the chain each replay their own)."""
+  the chain each replay their own); with --fuse K a segment's step comes once, under its
+  first block, named after its blocks (`"prefetch(Block[1]..Block[4]) forward"`)."""
   names: dict[int, str] = {}
+  inside: set[jg.GraphedCallable] = set()  # blocks a segment's step led by another replays
   for layer in graphed(layers):
+    if layer in inside:
+      continue
     steps = [step for step in jg.prefetch.steps_of(layer) if step.executables.entries]
+    for step in steps:
+      inside.update(step.layers[1:])
     for owner in steps or [layer]:
       forward, backward = layer_executables(owner)
       name = names.setdefault(id(forward), owner.name)
