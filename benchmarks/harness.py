@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -148,6 +149,20 @@ def parsed(parser: argparse.ArgumentParser) -> argparse.Namespace:
 def parse_args(description: str, variants: Sequence[str], json_name: str) -> argparse.Namespace:
   """The command line of a memory-and-time benchmark with no flags of its own."""
   return parsed(argument_parser(description, variants, json_name))
+
+
+def run_checked(command: Sequence[str], cwd: str | os.PathLike[str]) -> float:
+  """Runs `command` in `cwd` (its output captured); its wall seconds.
+
+  Raises:
+    RuntimeError: it failed (the message ends with its output's tails).
+  """
+  begin = time.perf_counter()
+  done = subprocess.run(list(command), cwd=cwd, capture_output=True, text=True, check=False)
+  if done.returncode:
+    raise RuntimeError(f"{shlex.join(command[1:])} exited {done.returncode}:\n"
+                       f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+  return round(time.perf_counter() - begin, 1)
 
 
 def run_child(module: str, args: list[str], timeout: float) -> dict[str, Any]:

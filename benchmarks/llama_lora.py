@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
-import time
 from typing import Any
 
+from benchmarks import harness
 from examples.llama.presets import PRESETS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,13 +39,7 @@ def train(args: argparse.Namespace, out: pathlib.Path, *flags: str) -> dict[str,
   """One run of the example into `out`; its metrics.json, with the command and wall time."""
   command = [sys.executable, "-m", "examples.llama.train", "--preset", args.preset, "--no-check",
              "--generate", "0", "--cache", str(args.cache), "--out", str(out), *flags]
-  begin = time.perf_counter()
-  done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                        capture_output=True, text=True, check=False)
-  wall = round(time.perf_counter() - begin, 1)
-  if done.returncode:
-    raise RuntimeError(f"{' '.join(command[1:])} exited {done.returncode}:\n"
-                       f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+  wall = harness.run_checked(command, ROOT)
   metrics = json.loads((out / "metrics.json").read_text())
   return {**metrics, "command": " ".join(["python3", *command[1:]]), "wall_seconds": wall}
 

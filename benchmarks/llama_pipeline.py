@@ -50,13 +50,13 @@ import pathlib
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from typing import Any, Sequence
 
 import jax
 
+from benchmarks import harness
 from examples import vocabulary as vocab_lib
 from examples.records import write_json
 from examples.llama.cli import fuse_length
@@ -83,26 +83,12 @@ def example_flags(args: argparse.Namespace, out: pathlib.Path, *flags: str) -> l
           "--steps", str(args.steps), "--round-steps", str(args.round_steps), *flags]
 
 
-def run_process(command: list[str]) -> float:
-  """Runs `command` from the root; its wall seconds.
-
-  Raises:
-    RuntimeError: it failed (the message ends with its output's tails).
-  """
-  begin = time.perf_counter()
-  done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-  if done.returncode:
-    raise RuntimeError(f"{shlex.join(command[1:])} exited {done.returncode}:\n"
-                       f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-  return round(time.perf_counter() - begin, 1)
-
-
 def train(args: argparse.Namespace, name: str, *flags: str) -> dict[str, Any]:
   """One run of the example into --out/`name`: its metrics.json, with the command and wall
   time (printed); its checkpoint removed."""
   out = args.out / name
   command = [sys.executable, "-m", "examples.llama.train", *example_flags(args, out, *flags)]
-  wall = run_process(command)
+  wall = harness.run_checked(command, ROOT)
   metrics = json.loads((out / "metrics.json").read_text())
   shutil.rmtree(out / "checkpoints")  # the last step's state: GBs at gpu-1b, not read here
   loop = metrics["throughput"]["loop"]
@@ -126,7 +112,7 @@ def busy(args: argparse.Namespace, name: str) -> dict[str, Any]:
              "--busy-steps", str(args.busy_steps), "--",
              *example_flags(args, args.out / name / "busy-run",
                             *pipeline_flags(args, name))]
-  wall = run_process(command)
+  wall = harness.run_checked(command, ROOT)
   found = json.loads(result.read_text())
   print(f"{name} --busy: stages busy {_percents(found['busy_percent'])}% of "
         f"{found['step_ms']} ms steps ({wall} s)", flush=True)
