@@ -106,11 +106,11 @@ def _joins(first: graphed_lib.GraphedCallable, layer: graphed_lib.GraphedCallabl
 class FusedSegment(graphed_lib.GraphedCallable):
   """Adjacent layers replayed as one forward and one backward executable.
 
-  With `delay_wgrad=True` layers the backward is split as a layer's is (`_capture.
-  split_backward` of the chain's backward): one dgrad executable, which returns the input
-  cotangent and stashes what every layer's weight products need, and one wgrad executable
-  with all of them. The segment shares its layers' `Config`, so their `wgrad_argnums`: the
-  chain's argument 0 is the tuple of the layers' params.
+  With `delay_wgrad=True` layers the chain's backward is split as a layer's is
+  (`_capture.split_backward`): one dgrad executable, which returns the input cotangent and
+  stashes what every layer's weight products need, and one wgrad executable with all of
+  them. The segment shares its layers' `Config`, so their `wgrad_argnums`: the chain's
+  argument 0 is the tuple of the layers' params, as a layer's argument 0 is its params.
 
   Keys come from each layer's own stream (or `keys=`), so a fused replay computes what the
   layers would one by one, and advances the same counters. Captures and compiles are counted

@@ -151,11 +151,12 @@ def test_replay_hooks_split_runs_and_identical_runs_share_one_capture():
 
 def test_runs_break_at_other_settings():
   params, x = _params(6), _x()
-  first = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[:2]])
+  first = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[:2]],
+                          num_warmup_iters=0)
   second = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[2:4]],
-                           delay_wgrad=True)
+                           delay_wgrad=True, num_warmup_iters=0)
   third = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[4:]],
-                          offload_residuals=[True, False])
+                          offload_residuals=[True, False], num_warmup_iters=0)
   assert fusion.runs(first + second + third) == [(0, 2), (2, 4), (4, 5), (5, 6)]
   # A layer used twice draws two keys: it never joins a run it is already in.
   assert fusion.runs(first + first) == [(0, 2), (2, 4)]
