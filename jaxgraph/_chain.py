@@ -51,13 +51,14 @@ class SequentialPullback:
         if position < len(self._steps) - 1 or pullback.consumed:
           self._failed_at = lo
         raise
-      grads[lo:hi] = g_params if hi - lo > 1 else [g_params]
+      grads[lo:hi] = fusion_lib.per_layer(g_params, lo, hi)
     self._called = True
     return grads, cotangent
 
   def wgrad(self) -> list[Any]:
     """With `delay_wgrad=True`: the deferred params grads of every layer, in layer order."""
-    return [pullback.wgrad()[0] for _, _, pullback in self._steps]
+    return [grad for lo, hi, pullback in self._steps
+            for grad in fusion_lib.per_layer(pullback.wgrad()[0], lo, hi)]
 
 
 def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any], x: Any, *,
@@ -78,8 +79,9 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
       chain stops it instead).
     keys: one key per layer, or None to draw from each layer's own stream.
     fuse: boundary fusion. Each maximal run of adjacent layers without replay-time hooks
-      (from one `make_graphed` call, without `delay_wgrad`, with the same offload setting)
-      replays as one forward and one backward executable, compiled on the first such call
+      (from one `make_graphed` call, with the same offload setting) replays as one forward
+      and one backward executable (with `delay_wgrad`, one dgrad and one wgrad executable:
+      `pullback.wgrad()` runs each run's once), compiled on the first such call
       (identical runs share it): a host boundary only where a hook needs one. The same
       keys and counters as unfused, and the same math: each layer under its own
       `remat_policy`, and an optimization barrier between layers, so that XLA fuses

@@ -64,10 +64,18 @@ class Composed:
 
 def fusable(layer: graphed_lib.GraphedCallable) -> bool:
   """Whether a layer may share executables with its neighbours: no replay-time hook (a hook
-  needs the host boundary) and no delayed wgrad (its own dgrad/wgrad split)."""
+  needs the host boundary)."""
   hooks = layer.phase_hooks["replay"]
-  return (not any(getattr(hooks, kind) for kind in hooks_lib.HOOK_KINDS)
-          and not layer.config.delay_wgrad)
+  return not any(getattr(hooks, kind) for kind in hooks_lib.HOOK_KINDS)
+
+
+def per_layer(grads: Any, lo: int, hi: int) -> list[Any]:
+  """The params gradients of a replayed run `[lo, hi)` (its pullback's, or its `wgrad()`'s
+  first entry), one per layer: a fused segment's are a tuple of them, a layer's its own, and
+  None (weights deferred to the wgrad) stands for each layer's."""
+  if grads is None:
+    return [None] * (hi - lo)
+  return list(grads) if hi - lo > 1 else [grads]
 
 
 def runs(layers: Sequence[graphed_lib.GraphedCallable], longest: int | None = None
@@ -97,6 +105,12 @@ def _joins(first: graphed_lib.GraphedCallable, layer: graphed_lib.GraphedCallabl
 
 class FusedSegment(graphed_lib.GraphedCallable):
   """Adjacent layers replayed as one forward and one backward executable.
+
+  With `delay_wgrad=True` layers the chain's backward is split as a layer's is
+  (`_capture.split_backward`): one dgrad executable, which returns the input cotangent and
+  stashes what every layer's weight products need, and one wgrad executable with all of
+  them. The segment shares its layers' `Config`, so their `wgrad_argnums`: the chain's
+  argument 0 is the tuple of the layers' params, as a layer's argument 0 is its params.
 
   Keys come from each layer's own stream (or `keys=`), so a fused replay computes what the
   layers would one by one, and advances the same counters. Captures and compiles are counted
@@ -170,7 +184,9 @@ class FusedSegment(graphed_lib.GraphedCallable):
                 keys: Sequence[jax.Array] | None) -> tuple[Any, graphed_lib.Pullback] | None:
     """The fused forward of `(params, x, *consts)`; None where it cannot run fused (tracers,
     or a signature beyond max_captures): the caller then runs the layers one by one. The
-    pullback returns `(params grads, x grad, *zero grads of the consts)`."""
+    pullback returns `(params grads, x grad, *zero grads of the consts)`; with
+    `delay_wgrad=True` (`wgrad_argnums=(0,)`) the params grads are None there, and
+    `pullback.wgrad()[0]` returns them, a tuple of one per layer."""
     args = (tuple(params), x, *consts)
     leaves, treedef = jax.tree.flatten(args)
     if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):

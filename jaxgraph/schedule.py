@@ -556,8 +556,10 @@ class Pipeline:
       hook-free layers is one forward and one backward call a microbatch, not one a layer.
       The same keys, counters and math as unfused. An int `k` cuts each run into segments
       of at most `k` layers; `fuse=1` is unfused. Layers with a replay-time hook run one by
-      one, their hooks told the microbatch. Not with `delay_wgrad=True` layers (a fused
-      segment does not split its backward).
+      one, their hooks told the microbatch. With `delay_wgrad=True` layers a fused run
+      splits its backward as each layer does: one dgrad executable a microbatch (the input
+      cotangent and what the weight gradients need), and one wgrad executable (every weight
+      gradient of the run) where the order places the chunk's wgrad.
   """
 
   def __init__(self, chunks: Sequence[Sequence[graphed_lib.GraphedCallable]],
@@ -583,12 +585,6 @@ class Pipeline:
     else:
       raise TypeError(f"Pipeline takes fuse= a bool, or an int >= 1 (the longest fused run, "
                       f"in layers), got {fuse!r}.")
-    if self.delay_wgrad and self._longest != 1:
-      raise ValueError(
-          f"Pipeline got fuse={fuse!r} with layers built with delay_wgrad=True: a fused "
-          "segment runs one backward, it does not split it into dgrad and wgrad. Pass "
-          "fuse=False to keep the split backwards (e.g. for a zero-bubble order), or build "
-          "the layers without delay_wgrad (and an order without wgrad entries) to fuse them.")
     self.parsed = parse_order(order, delay_wgrad=self.delay_wgrad)
     if self.parsed.num_chunks != len(self.chunks):
       raise ValueError(f"the order has {self.parsed.num_chunks} chunks but Pipeline got "
@@ -692,10 +688,9 @@ class Pipeline:
           if position:
             chunk_pullbacks[position - 1][2].prefetch()
           g_params, ct = pullback(ct)[:2]  # the consts' gradients dropped
-          if not self.delay_wgrad:
-            new[lo:hi] = g_params if hi - lo > 1 else [g_params]
-          elif not parsed.has_wgrad:
-            new[lo] = pullback.wgrad()[0]  # delay_wgrad: unfused, one layer a run
+          if self.delay_wgrad and not parsed.has_wgrad:
+            g_params = pullback.wgrad()[0]
+          new[lo:hi] = fusion_lib.per_layer(g_params, lo, hi)
         if not parsed.has_wgrad:
           grads[c] = accumulate(c, new)
         else:
@@ -706,5 +701,6 @@ class Pipeline:
           cts[c - 1, m] = ct
       else:
         chunk_pullbacks = waiting.pop((c, m))
-        grads[c] = accumulate(c, [pullback.wgrad()[0] for _, _, pullback in chunk_pullbacks])
+        grads[c] = accumulate(c, [grad for lo, hi, pullback in chunk_pullbacks
+                                  for grad in fusion_lib.per_layer(pullback.wgrad()[0], lo, hi)])
     return result

@@ -195,8 +195,6 @@ def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
     (["--keep-checkpoints", "0"], "--keep-checkpoints takes a number >= 1"),
     (["--pipeline", "2", "--fsdp", "2", "--prefetch"],
      r"--pipeline does not combine with --fsdp, --prefetch \(--fsdp shards .*\): drop them"),
-    (["--pipeline", "2", "--schedule", "zero-bubble", "--fuse"],
-     "--schedule zero-bubble splits every backward .*: drop --fuse, or pass --schedule 1f1b"),
     (["--schedule", "zero-bubble"], "--schedule orders a pipeline's stages: it needs --pipeline"),
     (["--pipeline", "2", "--schedule", "interleaved"],
      "splits the 2 blocks into 4 chunks of at least one block each: pass at most 1 stages"),
@@ -207,7 +205,6 @@ def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
         "process_id", "context", "vocab", "offload_spelling", "offload_unit",
         "offload_slowdown", "offload_whole_step", "offload_fuse", "offload_fsdp",
         "stop_after_past_steps", "keep_checkpoints", "pipeline_fsdp_prefetch",
-        "pipeline_zero_bubble_fuse",
         "schedule_alone", "pipeline_interleaved_depth"])
 def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):
   with pytest.raises(SystemExit) as exit:

@@ -153,19 +153,20 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   assert resumed["losses"] == losses and resumed["eval_losses"] == metrics["eval_losses"]
   assert resumed["params_sha256"] == metrics["params_sha256"]
 
-  # By 2 stages from step 1, 1F1B with each chunk's layers fused (one forward and one
-  # backward executable a chunk a microbatch): bitwise the one-device run (tied embeddings:
-  # the head's share of the embedding's grads is summed apart, in another order, which
-  # matched here). Per stage: its parts, params and residuals.
+  # By 2 stages from step 1, zero-bubble with each chunk's layers fused (one forward, one
+  # dgrad and one deferred wgrad executable a chunk a microbatch): bitwise the one-device
+  # run (tied embeddings: the head's share of the embedding's grads is summed apart, in
+  # another order, which matched here). Per stage: its parts, params and residuals.
   if pipeline:
     piped = tmp_path / "piped"
     out = run_example("examples.llama.train", env, *common, "--out", str(piped), "--pipeline",
-                      "2", "--schedule", "1f1b", "--fuse")
-    assert "--pipeline 2 --schedule 1f1b: 2 chunks of [2, 2] parts" in out
+                      "2", "--schedule", "zero-bubble", "--fuse")
+    assert "--pipeline 2 --schedule zero-bubble: 2 chunks of [2, 2] parts" in out
     piped_metrics = json.loads((piped / "metrics.json").read_text())
-    # Each chunk's first layer captured its own signature and its chunk's fused segment.
-    assert [piped_metrics["stats"][f"train {name}"]["captures"]
-            for name in ("Embed[0]", "Block[2]")] == [2, 2]
+    # Each chunk's first layer captured its own signature and its chunk's fused segment,
+    # each three executables (forward, dgrad, wgrad).
+    assert [piped_metrics["stats"][f"train {name}"][count] for name in ("Embed[0]", "Block[2]")
+            for count in ("captures", "compiles")] == [2, 6, 2, 6]
     assert piped_metrics["losses"] == losses and piped_metrics["eval_losses"] == metrics[
         "eval_losses"]
     assert piped_metrics["params_sha256"] == metrics["params_sha256"]

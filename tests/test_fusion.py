@@ -151,18 +151,62 @@ def test_replay_hooks_split_runs_and_identical_runs_share_one_capture():
 
 def test_runs_break_at_other_settings():
   params, x = _params(6), _x()
-  first = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[:2]])
+  first = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[:2]],
+                          num_warmup_iters=0)
   second = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[2:4]],
-                           delay_wgrad=True)
+                           delay_wgrad=True, num_warmup_iters=0)
   third = jg.make_graphed([mlp] * 2, sample_args=[(p, x) for p in params[4:]],
-                          offload_residuals=[True, False])
-  assert fusion.runs(first + second + third) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+                          offload_residuals=[True, False], num_warmup_iters=0)
+  assert fusion.runs(first + second + third) == [(0, 2), (2, 4), (4, 5), (5, 6)]
   # A layer used twice draws two keys: it never joins a run it is already in.
   assert fusion.runs(first + first) == [(0, 2), (2, 4)]
   y, pullback = jg.sequential_vjp(first + first, params[:4], x, fuse=True)
   grads, _ = pullback(jnp.ones_like(y))
   assert len(grads) == 4 and all(g is not None for g in grads)
   assert len(first[0].config.segments) == 1
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="bitwise across executables: GPU autotuning may pick other kernels")
+def test_fused_delay_wgrad_splits_the_segment_backward_bitwise_the_layers():
+  """`delay_wgrad=True`: a fused run's pullback returns the input cotangent from one dgrad
+  executable, its `wgrad()` every layer's weight gradients from one wgrad executable:
+  bitwise the layers split one by one over 2 SGD steps with dropout, the same key
+  counters, one capture (forward, dgrad, wgrad), and the split's FLOPs those of the
+  segment's one backward (the wgrad exactly the layers' weight products)."""
+  depth = 4
+  params, x = _params(depth), _x()
+  build = lambda delay: jg.make_graphed([dropout_mlp] * depth, rng=True, delay_wgrad=delay,
+                                        sample_args=[(p, x) for p in params],
+                                        num_warmup_iters=0)
+  fused_layers, plain_layers = build(True), build(True)
+  compiles = fused_layers[0].stats.compiles
+  fused_params = plain_params = params
+  for _ in range(2):
+    y, pullback = jg.sequential_vjp(fused_layers, fused_params, x, fuse=True)
+    y_plain, pullback_plain = jg.sequential_vjp(plain_layers, plain_params, x)
+    assert trees_equal(y, y_plain)
+    dgrads, g_x = pullback(y)
+    dgrads_plain, g_x_plain = pullback_plain(y_plain)
+    assert dgrads == dgrads_plain == [None] * depth and trees_equal(g_x, g_x_plain)
+    grads, grads_plain = pullback.wgrad(), pullback_plain.wgrad()
+    assert len(grads) == depth and trees_equal(grads, grads_plain)
+    fused_params = [_sgd(p, g) for p, g in zip(fused_params, grads)]
+    plain_params = [_sgd(p, g) for p, g in zip(plain_params, grads_plain)]
+  assert ([layer.rng_counter for layer in fused_layers]
+          == [layer.rng_counter for layer in plain_layers] == [2] * depth)
+  segment = fusion.segment(fused_layers)
+  assert fused_layers[0].stats.compiles - compiles == segment.stats.compiles == 3
+  [entry] = segment.executables.entries.values()
+  flops = {kind: compiled.cost_analysis()["flops"]
+           for kind, (compiled, _) in entry.backward.items()}
+  one_backward = build(False)
+  jg.sequential_vjp(one_backward, params, x, fuse=True)[1](y)
+  [full] = fusion.segment(one_backward).executables.entries.values()
+  [layer_entry] = plain_layers[0].executables.entries.values()
+  assert flops["wgrad"] == depth * layer_entry.backward["wgrad"][0].cost_analysis()["flops"]
+  assert flops["dgrad"] + flops["wgrad"] <= 1.05 * full.backward["full"][0].cost_analysis()[
+      "flops"]
 
 
 def test_traced_call_runs_the_functions():

@@ -501,17 +501,20 @@ def test_pipeline_host_work_a_step(monkeypatch):
 
 
 @pytest.mark.devices(2)
-def test_fused_chunks_match_unfused_bitwise_in_fewer_calls(monkeypatch):
+@pytest.mark.parametrize("zero_bubble", [False, True], ids=["1f1b", "zero_bubble"])
+def test_fused_chunks_match_unfused_bitwise_in_fewer_calls(monkeypatch, zero_bubble):
   """`fuse=True`: each chunk's hook-free runs replay as one segment (chunk 1 whole; chunk 2's
   first two layers, its hooked last layer alone, its hooks told the microbatch): bitwise the
   unfused outputs, losses, grads, input grads and key counters over 2 SGD steps, with
-  dropout; one per-layer replay a microbatch left (the hooked layer's), no recompile."""
+  dropout; one per-layer replay a microbatch left (the hooked layer's), no recompile. Zero
+  bubble: split backwards, a fused run's one dgrad and one deferred wgrad executable."""
   devices, sizes, microbatches = devices_for(2)[:2], [2, 3], 2
   params = [jax.device_put(init_mlp(k, WIDTH, 2 * WIDTH), devices[i >= 2])
             for i, k in enumerate(jax.random.split(jax.random.key(0), 5))]
   inputs, targets = make_batches(microbatches)
-  order = schedule.merge_ranks([schedule.one_f_one_b(microbatches, pipeline_parallel_size=2,
-                                                     rank=r) for r in range(2)])
+  make_order = schedule.zero_bubble if zero_bubble else schedule.one_f_one_b
+  order = schedule.merge_ranks([make_order(microbatches, pipeline_parallel_size=2, rank=r)
+                                for r in range(2)])
   logs: dict[bool, list[tuple[Any, ...]]] = {True: [], False: []}
   per_layer: dict[bool, int] = {True: 0, False: 0}
   original_vjp = schedule._vjp
@@ -526,7 +529,7 @@ def test_fused_chunks_match_unfused_bitwise_in_fewer_calls(monkeypatch):
     layers[fused] = jg.make_graphed(
         [dropout_mlp] * 5, [None] * 4 + [_recording_hooks(logs[fused])], rng=True,
         sample_args=[(p, jax.device_put(inputs[0], p["w1"].sharding)) for p in params],
-        num_warmup_iters=0)
+        num_warmup_iters=0, delay_wgrad=zero_bubble)
     logs[fused].clear()  # replay hooks fire at capture too
     pipeline = schedule.Pipeline(split(layers[fused], sizes), order, loss_fn=loss_fn,
                                  devices=devices, fuse=fused)
@@ -556,13 +559,13 @@ def test_fused_chunks_match_unfused_bitwise_in_fewer_calls(monkeypatch):
   assert per_layer == {True: 2 * microbatches, False: 5 * 2 * microbatches}
   assert runs[True][2][0] == runs[True][2][1]  # no recompile on the second step
   assert all(layer.stats.fallbacks == 0 for layer in layers[True])
+  # Per segment: one forward and one backward executable, or forward, dgrad and wgrad.
+  assert [s.stats.compiles for s in segments] == [3 if zero_bubble else 2] * 2
+  assert all(set(entry.backward) == ({"dgrad", "wgrad"} if zero_bubble else {"full"})
+             for s in segments for entry in s.executables.entries.values())
 
 
-def test_fuse_refuses_delay_wgrad_and_bad_values():
-  split_layers = _graphed_chunks(2, True)
-  with pytest.raises(ValueError, match="delay_wgrad=True.*fuse=False.*without delay_wgrad"):
-    schedule.Pipeline([[layer] for layer in split_layers], [1, 2, -2, -1], loss_fn=loss_fn,
-                      fuse=True)
+def test_fuse_refuses_bad_values():
   layers = _graphed_chunks(2, False)
   for bad in (0, 1.5, "2"):
     with pytest.raises(TypeError, match="fuse= a bool, or an int >= 1"):

@@ -40,7 +40,8 @@ CONFLICTS = {
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, depth: int) -> None:
   """--pipeline, --schedule: refuses (`parser.error`, one line) what does not combine
-  (--fuse combines with 1f1b and interleaved: each chunk's layers as one fused segment)."""
+  (--fuse combines with every schedule: each chunk's layers as one fused segment, with
+  zero-bubble one dgrad and one deferred wgrad executable a chunk)."""
   if args.pipeline is None:
     if args.schedule is not None:
       parser.error("--schedule orders a pipeline's stages: it needs --pipeline N")
@@ -57,10 +58,6 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, depth
     flag = given[0]
     parser.error(f"--pipeline does not combine with {', '.join(given)} ({flag} "
                  f"{CONFLICTS[flag]}): drop {'them' if len(given) > 1 else 'it'}")
-  if args.fuse and args.schedule == "zero-bubble":
-    parser.error("--fuse replays a chunk's layers as one backward; --schedule zero-bubble "
-                 "splits every backward to defer its weight gradients (delay_wgrad): drop "
-                 "--fuse, or pass --schedule 1f1b or interleaved")
   chunks = n * (2 if args.schedule == "interleaved" else 1)
   if chunks > depth:
     parser.error(f"--pipeline {n}"
