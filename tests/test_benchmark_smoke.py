@@ -166,6 +166,8 @@ def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
   assert all(f"{name}: " in run.stdout for name in ("one-device", "fsdp-2", "1f1b"))
 
 
+@pytest.mark.skipif(jax.device_count() < 4, reason="the example's plan puts each of 4 stages "
+                    "on a device of its own (the CPU run has 8 virtual ones)")
 def test_bubble_fraction_of_1f1b_is_the_textbook_one():
   """The simulated bubble of the example's merged 1F1B order is (N - 1) / (M + N - 1); the
   interleaved order's smaller; zero-bubble's (N - 1) / (3M + N - 1)."""
