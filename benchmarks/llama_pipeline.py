@@ -12,9 +12,9 @@ Builds the preset's vocabulary and encoded text into --cache first (once: every 
 them from there), then runs the example (`python -m examples.llama.train`) in fresh
 processes, each into its own `--out` under this one's: on one device (no `--pipeline`: the
 baseline), with `--fsdp N` on the same N devices, then once per schedule with
-`--pipeline N` (with `--fuse [K]`, the example's: each chunk's layers replayed as fused
-segments, `jg.schedule.Pipeline(..., fuse=...)`; the baseline and FSDP runs replay block by
-block); every run with the same preset, `--microbatches M` and steps, so the same tokens a
+`--pipeline N`; every run with the same preset, `--microbatches M`, steps and `--fuse [K]`
+(the example's: each chunk's layers, or the one device's or FSDP's, replayed as fused
+segments; in a pipeline `jg.schedule.Pipeline(..., fuse=...)`), so the same tokens a
 step (M microbatches of the preset's batch: `--fsdp` splits each over its devices,
 each pipeline stage runs it whole), without `--check` or generation. Each run's wall time is
 printed as it ends; its checkpoint (the example saves the last step) is removed once its
@@ -76,11 +76,12 @@ def build_cache(preset: str, cache: pathlib.Path) -> None:
 
 
 def example_flags(args: argparse.Namespace, out: pathlib.Path, *flags: str) -> list[str]:
-  """The example's flags of a run into `out`: the benchmark's preset, microbatches and
-  steps, then the run's own `flags`."""
+  """The example's flags of a run into `out`: the benchmark's preset, microbatches, steps
+  and --fuse [K], then the run's own `flags`."""
+  fuse = [] if not args.fuse else ["--fuse"] if args.fuse is True else ["--fuse", str(args.fuse)]
   return ["--preset", args.preset, "--microbatches", str(args.microbatches), "--no-check",
           "--generate", "0", "--cache", str(args.cache), "--out", str(out), "--fresh",
-          "--steps", str(args.steps), "--round-steps", str(args.round_steps), *flags]
+          "--steps", str(args.steps), "--round-steps", str(args.round_steps), *fuse, *flags]
 
 
 def train(args: argparse.Namespace, name: str, *flags: str) -> dict[str, Any]:
@@ -99,9 +100,8 @@ def train(args: argparse.Namespace, name: str, *flags: str) -> dict[str, Any]:
 
 
 def pipeline_flags(args: argparse.Namespace, name: str) -> list[str]:
-  """The example's flags of schedule `name`'s runs: its stages, its order, --fuse [K]."""
-  fuse = [] if not args.fuse else ["--fuse"] if args.fuse is True else ["--fuse", str(args.fuse)]
-  return ["--pipeline", str(args.stages), "--schedule", name, *fuse]
+  """The example's flags of schedule `name`'s runs: its stages and its order."""
+  return ["--pipeline", str(args.stages), "--schedule", name]
 
 
 def busy(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -231,9 +231,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--microbatches", type=int, default=16)
   parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=["1f1b"])
   parser.add_argument("--fuse", nargs="?", const=True, type=fuse_length, metavar="K",
-                      help="the pipeline runs with the example's --fuse [K]: each chunk's "
-                           "layers as one fused forward and backward (or segments of at most "
-                           "K layers); not with zero-bubble")
+                      help="every run with the example's --fuse [K]: the layers of each chunk "
+                           "(or of the one device, or FSDP's) as one fused forward and backward "
+                           "(or segments of at most K layers)")
   parser.add_argument("--steps", type=int, help="per run (default: 3 rounds)")
   parser.add_argument("--round-steps", type=int, default=4)
   parser.add_argument("--busy", action="store_true",
