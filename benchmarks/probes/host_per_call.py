@@ -77,6 +77,7 @@ Measured (jaxgraph at a690231; 2 shared vCPUs, XLA:CPU with 8 virtual devices, j
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -84,6 +85,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxgraph as jg
@@ -271,6 +273,8 @@ def main() -> None:
   if args.profile:
     for name, run in (("jaxgraph", step), ("bare", bare)):
       profile(run, args.profile_seconds, f"{args.profile}.{name}.txt", 2 * args.layers)
+  # What the step computes, to compare runtimes bit for bit (the input's gradient).
+  digest = hashlib.sha256(np.asarray(step()).tobytes()).hexdigest()[:16]
   replace_executables(layers, entry, stack[0], x, ct)
   own = per_call(step, calls, args.rounds, args.steps, wait=False)
   result = {"jaxgraph": jg.__file__, "backend": jax.default_backend(),
@@ -282,7 +286,8 @@ def main() -> None:
             "us_per_call": best["jaxgraph"]["median"],
             "bare_us_per_call": best["bare"]["median"], "own_us_per_call": own["median"],
             "cpu_us_per_call": best["jaxgraph"]["cpu"], "bare_cpu_us_per_call": best["bare"]["cpu"],
-            "spread_pct": max(r["spread_pct"] for r in found["jaxgraph"])}
+            "spread_pct": max(r["spread_pct"] for r in found["jaxgraph"]),
+            "result_sha256": digest}
   columns = ("us_per_call", "bare_us_per_call", "own_us_per_call", "cpu_us_per_call",
              "bare_cpu_us_per_call")
   print(f"{'jaxgraph':<40} {'devices':>7} {'µs/call':>8} {'bare':>8} {'own':>8} {'cpu':>8} "
