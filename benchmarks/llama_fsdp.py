@@ -63,7 +63,6 @@ from benchmarks import profiling
 from examples.llama import train
 from examples.llama.data import step_batches
 from examples.llama.fsdp_report import collectives, named_executables
-from examples.llama.layers import RESIDUAL_POLICIES
 from examples.llama.memory import peak_bytes
 from examples.llama.presets import PRESETS
 from examples.llama.throughput import rate_summary, throughput_rounds
@@ -123,17 +122,10 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
   """One row in this process (or this process's part of it): builds both steps as the
   example does and measures them."""
   args = train.parse(argv)
-  preset = train.resolve(args)
-  mesh = train.fsdp_mesh(args.fsdp)
-  corpus, _ = train.load_text(args, preset, mesh)
-  model, fns, params, _ = train.build_model(args, preset, corpus)
-  policy = RESIDUAL_POLICIES[args.residuals]
-  params, placement = train.place(params, args.flat, mesh, model.config.compute_dtype)
-  fns, params, tuning = train.lora.start(args, preset, model, fns, params, placement)
-  captured = train.capture(args, preset, model.config, fns, params, placement, policy, tuning)
-  positions = captured.positions
-  tx, opt_state, trainer = train.make_step(args, preset, model.config, fns, params, placement,
-                                           corpus, captured, policy, tuning)
+  built = train.build(args)
+  preset, corpus, placement, policy = built.preset, built.corpus, built.placement, built.policy
+  fns, model, tx, trainer = built.fns, built.model, built.tx, built.trainer
+  params, opt_state, positions = built.params, built.opt_state, built.captured.positions
   whole_start = placement.host((params, opt_state))
   for step in range(preset.round_steps):  # the graphed step alone: its peak
     params, opt_state, loss = trainer.step(params, opt_state,

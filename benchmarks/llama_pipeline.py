@@ -120,40 +120,26 @@ def busy(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def busy_run(argv: list[str], steps: int) -> dict[str, Any]:
-  """In this process, the example's pipeline step for `argv` (built by the example's own
-  parts, as its `main` builds it), a warm-up round of steps, then `steps` steps under the
+  """In this process, the example's pipeline step for `argv` (`build`, as its `main`
+  builds it), a warm-up round of steps, then `steps` steps under the
   profiler: per stage, the union of its GPU's kernels but copies (`trace_summary`'s busy
   time) against the steps' wall time. CPU devices leave no kernels in a trace: no stages."""
   from benchmarks import profiling
   from benchmarks.llama_fsdp import trace_summary
   from examples.llama import train as example
   from examples.llama.data import step_batches
-  from examples.llama.layers import RESIDUAL_POLICIES
-  from examples.llama.pipeline import plan
 
-  args = example.parse(argv)
-  preset = example.resolve(args)
-  stages = plan(args.pipeline, args.schedule, preset.depth, preset.microbatches)
-  corpus, _ = example.load_text(args, preset, None)
-  model, fns, params, _ = example.build_model(args, preset, corpus)
-  policy = RESIDUAL_POLICIES[args.residuals]
-  params, placement = example.place(params, args.flat, None, model.config.compute_dtype)
-  fns, params, tuning = example.lora.start(args, preset, model, fns, params, placement)
-  captured = example.capture(args, preset, model.config, fns, params, placement, policy,
-                             tuning, stages=stages)
-  params = stages.place(params)
-  _, opt_state, trainer = example.make_step(args, preset, model.config, fns, params, placement,
-                                            corpus, captured, policy, tuning, stages=stages)
-  state, step = [params, opt_state], 0
+  built = example.build(example.parse(argv))
+  preset, corpus, captured, stages = built.preset, built.corpus, built.captured, built.stages
+  state, step = [built.params, built.opt_state], 0
 
   def run(count: int) -> Any:
     nonlocal step
     loss = None
     for _ in range(count):
       step += 1
-      state[0], state[1], loss = trainer.step(*state, step_batches(corpus, step,
-                                                                   preset.microbatches),
-                                              captured.positions)
+      state[0], state[1], loss = built.trainer.step(
+          *state, step_batches(corpus, step, preset.microbatches), captured.positions)
     return loss
 
   jax.block_until_ready(run(preset.round_steps))

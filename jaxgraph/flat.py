@@ -448,8 +448,7 @@ def mask(tree: Any, predicate: Callable[[Group], bool]) -> Any:
     if not isinstance(node, FlatTree):
       raise TypeError(f"flat.mask: found a {type(node).__name__} leaf outside any FlatTree; "
                       "mask takes FlatTrees (or pytrees of them), whose buffers have groups.")
-    return unflatten(node.layout,
-                                   [bool(predicate(s.group)) for s in node.layout.buffers])
+    return unflatten(node.layout, [bool(predicate(s.group)) for s in node.layout.buffers])
 
   return jax.tree.map(node_mask, tree, is_leaf=is_flat)
 

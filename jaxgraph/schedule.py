@@ -381,6 +381,18 @@ def _zero_bubble_orders(microbatches: int, ranks: int) -> tuple[tuple[float, ...
   return tuple(map(tuple, orders))
 
 
+def _needs(step: Step, last: int) -> tuple[Step, ...]:
+  """The entries whose outputs `step` takes, in an order of chunks 0..`last`: a forward the
+  chunk before's forward, a backward its own forward and the chunk after's backward, a
+  wgrad its backward."""
+  kind, c, m = step
+  if kind == "forward":
+    return (Step("forward", c - 1, m),) if c else ()
+  if kind == "backward":
+    return (Step("forward", c, m),) + ((Step("backward", c + 1, m),) if c < last else ())
+  return (Step("backward", c, m),)
+
+
 def bubble_fraction(order: Sequence[float], *, stages: int, forward: float = 1.0,
                     backward: float = 2.0, dgrad: float = 1.0, wgrad: float = 1.0) -> float:
   """The idle fraction of a step of `order` run by stages, simulated with a cost per entry.
@@ -407,17 +419,10 @@ def bubble_fraction(order: Sequence[float], *, stages: int, forward: float = 1.0
   done: dict[Step, float] = {}
   free, busy = [0.0] * stages, 0.0
   for step in parsed.steps:  # a valid order lists each entry after the ones it needs
-    kind, c, m = step
-    if kind == "forward":
-      needs = Step("forward", c - 1, m) if c else None
-    elif kind == "backward":
-      needs = Step("backward", c + 1, m) if c < last else Step("forward", c, m)
-    else:
-      needs = Step("backward", c, m)
-    stage = c % stages
-    free[stage] = done[step] = (max(free[stage], done[needs] if needs else 0.0)
-                                + costs[kind])
-    busy += costs[kind]
+    stage = step.chunk % stages
+    start = max([free[stage], *(done[needed] for needed in _needs(step, last))])
+    free[stage] = done[step] = start + costs[step.kind]
+    busy += costs[step.kind]
   return 1 - busy / (stages * max(free))
 
 
@@ -435,17 +440,8 @@ def merge_ranks(rank_orders: Sequence[Sequence[float]]) -> list[float]:
   ranks = len(rank_orders)
   parsed_orders = [parse_order(list(order), delay_wgrad=True) for order in rank_orders]
   queues = [collections.deque(parsed.steps) for parsed in parsed_orders]
-  finished: set[tuple[StepKind, int, int]] = set()
+  finished: set[Step] = set()
   last = max(parsed.num_chunks for parsed in parsed_orders) * ranks - 1
-
-  def ready(step: Step) -> bool:
-    g, m = step.chunk, step.microbatch
-    if step.kind == "forward":
-      return g == 0 or ("forward", g - 1, m) in finished
-    if step.kind == "backward":
-      return ("forward", g, m) in finished and (g == last or ("backward", g + 1, m) in finished)
-    return ("backward", g, m) in finished
-
   merged: list[float] = []
   while any(queues):
     tick = []
@@ -454,7 +450,7 @@ def merge_ranks(rank_orders: Sequence[Sequence[float]]) -> list[float]:
         continue
       local = queue[0]
       step = Step(local.kind, local.chunk * ranks + r, local.microbatch)
-      if ready(step):
+      if finished.issuperset(_needs(step, last)):
         queue.popleft()
         tick.append(step)
     if not tick:
@@ -462,7 +458,7 @@ def merge_ranks(rank_orders: Sequence[Sequence[float]]) -> list[float]:
                f"{queue[0].microbatch}" for r, queue in enumerate(queues) if queue]
       raise ValueError("the rank orders deadlock; waiting: " + "; ".join(stuck) + ".")
     for step in tick:
-      finished.add(tuple(step))
+      finished.add(step)
       code = step.chunk + 1
       merged.append(code if step.kind == "forward" else
                     -code if step.kind == "backward" else -code - 0.5)
@@ -579,9 +575,9 @@ class Pipeline:
                        "every layer of a pipeline the same way.")
     self.delay_wgrad = delay.pop()
     if isinstance(fuse, bool):
-      self._longest = None if fuse else 1
+      longest = None if fuse else 1
     elif isinstance(fuse, int) and fuse >= 1:
-      self._longest = fuse
+      longest = fuse
     else:
       raise TypeError(f"Pipeline takes fuse= a bool, or an int >= 1 (the longest fused run, "
                       f"in layers), got {fuse!r}.")
@@ -597,6 +593,10 @@ class Pipeline:
                        [jax.sharding.SingleDeviceSharding(device) for device in devices])
     self.loss_fn = loss_fn
     self._loss_grad = jax.jit(jax.value_and_grad(loss_fn))
+    # Per chunk, its runs and their fused segments (hook-free runs; the hooks are the
+    # layers' own since make_graphed), found once: every step replays the same.
+    self._runs = [[(lo, hi, fusion_lib.segment(chunk[lo:hi]) if hi - lo > 1 else None)
+                   for lo, hi in fusion_lib.runs(chunk, longest)] for chunk in self.chunks]
 
   def _place(self, tree: Any, chunk: int) -> Any:
     """`tree` on chunk `chunk`'s device; as it is where it is there already (a device_put
@@ -652,9 +652,6 @@ class Pipeline:
     # (chunk, microbatch) -> (first layer, end layer, pullback) per replayed run of the chunk
     pullbacks: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
     waiting: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
-    # Per chunk, its runs (hooks decide them: read once a step) and their fused segments.
-    runs = [[(lo, hi, fusion_lib.segment(chunk[lo:hi]) if hi - lo > 1 else None)
-             for lo, hi in fusion_lib.runs(chunk, self._longest)] for chunk in chunks]
     grads: list[Any] = [None] * len(chunks)  # per chunk, its layers' running sums
     owned = [False] * len(chunks)  # whether grads[c] came from _sum (so may be donated)
 
@@ -670,7 +667,7 @@ class Pipeline:
       if kind == "forward":
         x = self._place(inputs[m] if c == 0 else acts.pop((c - 1, m)), c)
         side = () if consts is None else self._place(consts[m], c)
-        x, pullbacks[c, m] = _chunk_vjp(chunks[c], params[c], x, side, m, runs[c])
+        x, pullbacks[c, m] = _chunk_vjp(chunks[c], params[c], x, side, m, self._runs[c])
         if c == last:
           result.outputs[m] = x
           result.losses[m], cts[c, m] = self._loss_grad(x, self._place(targets[m], c))

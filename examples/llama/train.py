@@ -380,21 +380,35 @@ def write_metrics(out: pathlib.Path, result: dict[str, Any], checkpoints: Checkp
       write_json(out / "metrics.json", result, indent=1)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-  """One run of the command (`argv`: its flags); returns what metrics.json holds."""
-  args = parse(argv)
-  command = resume_command("examples.llama.train", sys.argv[1:] if argv is None else argv)
-  interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
+class Built(NamedTuple):
+  """What a run trains, as `build` makes it from the run's flags."""
+
+  preset: Preset
+  stages: Stages | None
+  corpus: Corpus
+  vocabulary: Any
+  model: Llama
+  fns: Sequence[Callable[..., Any]]
+  params: Params
+  count: int  # params
+  policy: Callable[..., bool] | None  # the residual policy
+  placement: Placement
+  tuning: lora.FineTuning
+  captured: Captured
+  tx: Any  # the optimizer
+  opt_state: Any
+  trainer: Stepper
+
+
+def build(args: argparse.Namespace) -> Built:
+  """The text, the model as layers (model.py knows nothing of them), the params placed,
+  capture, then the optimizer and the step; with --fsdp, where everything lives; with
+  --pipeline, each part on its stage. `main` trains it; benchmarks build it the same way."""
   preset = resolve(args)
-  check = (preset.check and not args.whole_step) if args.check is None else args.check
-  stop = min(preset.steps, args.stop_after or preset.steps)
-  graph_ends = not args.plain_ends
   mesh = fsdp_mesh(args.fsdp)
   stages = (None if args.pipeline is None else
             plan(args.pipeline, args.schedule or "1f1b", preset.depth, preset.microbatches))
   announce(args, preset, mesh, stages)
-
-  # The text, the model as layers (model.py knows nothing of them), the params placed.
   corpus, vocabulary = load_text(args, preset, mesh)
   model, fns, params, count = build_model(args, preset, corpus)
   policy = RESIDUAL_POLICIES[args.residuals]
@@ -402,16 +416,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   # --init-from: the params of a trained run; --lora: adapters over them, the rest frozen.
   fns, params, tuning = lora.start(args, preset, model, fns, params, placement)
   policy = tuning.residual_policy(policy)
-
-  # Capture, then the optimizer and the step; with --fsdp, where everything lives.
   interrupt.point("capture")
   captured = capture(args, preset, model.config, fns, params, placement, policy, tuning,
                      stages=stages)
   if stages is not None:  # each part on its stage, the eval layers captured on the first
     params = stages.place(params)
-  positions = captured.positions
   tx, opt_state, trainer = make_step(args, preset, model.config, fns, params, placement,
                                      corpus, captured, policy, tuning, stages=stages)
+  return Built(preset, stages, corpus, vocabulary, model, fns, params, count, policy,
+               placement, tuning, captured, tx, opt_state, trainer)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  """One run of the command (`argv`: its flags); returns what metrics.json holds."""
+  args = parse(argv)
+  command = resume_command("examples.llama.train", sys.argv[1:] if argv is None else argv)
+  interrupt.starting(args.out / "checkpoints", fresh=args.fresh)
+  (preset, stages, corpus, vocabulary, model, fns, params, count, policy, placement, tuning,
+   captured, tx, opt_state, trainer) = build(args)
+  check = (preset.check and not args.whole_step) if args.check is None else args.check
+  stop = min(preset.steps, args.stop_after or preset.steps)
+  graph_ends = not args.plain_ends
+  positions = captured.positions
   sharded = (None if placement.mesh is None else
              fsdp_report(placement, trainer, params, opt_state, corpus, positions, count))
 
