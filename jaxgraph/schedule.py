@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import functools
 import numbers
+import threading
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 import jax
@@ -556,11 +557,21 @@ class Pipeline:
       splits its backward as each layer does: one dgrad executable a microbatch (the input
       cotangent and what the weight gradients need), and one wgrad executable (every weight
       gradient of the run) where the order places the chunk's wgrad.
+    threads: dispatch from one worker thread per device (needs `devices`), each walking
+      the steps of its device's chunks in the order's relative order and waiting for the
+      activations and cotangents the other threads hand on; False: every step from the
+      calling thread. The same steps per chunk, so the same results, bits and key counters.
+      A layer's hooks then run on its device's thread: in the order's order for each
+      layer, in any interleaving across devices. An exception in a worker stops them all and
+      is raised in the caller. The workers run under JAX's global configuration: a
+      thread-local setting (`with jax.default_matmul_precision(...)`, `with
+      jax.default_device(...)`) around the call does not reach them.
   """
 
   def __init__(self, chunks: Sequence[Sequence[graphed_lib.GraphedCallable]],
                order: Sequence[float], *, loss_fn: Callable[[Any, Any], jax.Array],
-               devices: Sequence[jax.Device] | None = None, fuse: bool | int = False):
+               devices: Sequence[jax.Device] | None = None, fuse: bool | int = False,
+               threads: bool = False):
     self.chunks = [list(chunk) for chunk in chunks]
     layers = [layer for chunk in self.chunks for layer in chunk]
     if not layers or any(not chunk for chunk in self.chunks):
@@ -588,6 +599,10 @@ class Pipeline:
     if devices is not None and len(devices) != len(self.chunks):
       raise ValueError(f"Pipeline got {len(devices)} devices for {len(self.chunks)} chunks; "
                        "pass one device per chunk, or None.")
+    if threads and devices is None:
+      raise ValueError("Pipeline(..., threads=True) dispatches from one thread per device, "
+                       "so it needs devices=: pass one device per chunk, or threads=False.")
+    self.threads = bool(threads)
     self.devices = None if devices is None else list(devices)
     self._shardings = ([] if devices is None else
                        [jax.sharding.SingleDeviceSharding(device) for device in devices])
@@ -645,59 +660,178 @@ class Pipeline:
     layers = [layer for chunk in chunks for layer in chunk]
     pullback_lib.check_carry(layers, [p for chunk in params for p in chunk], inputs[0],
                              *(() if consts is None else consts[0]), where="Pipeline")
-    params = [self._place(list(p), c) for c, p in enumerate(params)]
-    last = len(chunks) - 1
-    acts: dict[tuple[int, int], Any] = {}      # (chunk, microbatch) -> output of the chunk
-    cts: dict[tuple[int, int], Any] = {}       # (chunk, microbatch) -> cotangent of its output
+    run = _Run(self, params, inputs, targets, consts, threaded=self.threads)
+    if self.threads:
+      self._dispatch_threads(run)
+    else:
+      run.params = [self._place(p, c) for c, p in enumerate(run.params)]
+      for step in parsed.steps:
+        run.step(step)
+    return run.result
+
+  def _dispatch_threads(self, run: _Run) -> None:
+    """`threads=True`: one worker thread per device walks the steps of that device's chunks
+    in the order's relative order, each waiting (`_Handoff.take`) for the activations and
+    cotangents that other devices' threads hand on.
+
+    This cannot deadlock: the order is a topological order of the steps (`parse_order`
+    refuses an entry before what it needs), and each thread's steps are a subsequence of
+    it. Were every unfinished thread waiting, take the waiting step `s` that comes first in
+    the order: what it waits for, `d`, comes before `s` in the order; the thread owning `d`
+    has not run it, so waits at a step no later than `d` in its own steps, hence in the
+    order, so before `s`: a contradiction. A failing worker sets the handoff's error, which
+    wakes and stops every waiting worker; the others stop before their next step.
+    """
+    steps: dict[jax.Device, list[Step]] = {device: [] for device in self.devices}
+    for step in self.parsed.steps:
+      steps[self.devices[step.chunk]].append(step)
+    handoff = run.handoff
+
+    def work(device: jax.Device) -> None:
+      try:
+        for c, chunk_device in enumerate(self.devices):
+          if chunk_device == device:
+            run.params[c] = self._place(run.params[c], c)
+        for step in steps[device]:
+          handoff.check()
+          run.step(step)
+      except _Stopped:
+        pass
+      except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+        error.add_note(f"raised in Pipeline's dispatch thread for {device} "
+                       "(Pipeline(..., threads=True))")
+        handoff.fail(error)
+
+    workers = [threading.Thread(target=work, args=(device,), daemon=True,
+                                name=f"jaxgraph Pipeline {device}") for device in steps]
+    started: list[threading.Thread] = []
+    try:
+      for worker in workers:
+        worker.start()
+        started.append(worker)
+      for worker in started:
+        worker.join()
+    except BaseException as error:  # an interrupt in the caller: stop the workers first
+      handoff.fail(error)
+      for worker in started:
+        worker.join()
+      raise
+    if handoff.error is not None:
+      raise handoff.error
+
+
+class _Stopped(Exception):
+  """A worker stops: another one failed (`_Handoff.fail`)."""
+
+
+class _Handoff:
+  """What a `Pipeline` call's steps hand each other across chunks: activations
+  (`("act", chunk, microbatch)`, a chunk's output) and cotangents (`("ct", chunk,
+  microbatch)`, of a chunk's output). With threads, `take` waits until another thread puts
+  the value, or until a worker fails."""
+
+  def __init__(self, *, threaded: bool):
+    self._values: dict[tuple[str, int, int], Any] = {}
+    self._ready = threading.Condition() if threaded else None
+    self.error: BaseException | None = None  # the first worker's that failed
+
+  def put(self, key: tuple[str, int, int], value: Any) -> None:
+    if self._ready is None:
+      self._values[key] = value
+      return
+    with self._ready:
+      self._values[key] = value
+      self._ready.notify_all()
+
+  def take(self, key: tuple[str, int, int]) -> Any:
+    if self._ready is None:
+      return self._values.pop(key)
+    with self._ready:
+      while key not in self._values and self.error is None:
+        self._ready.wait()
+      self.check()
+      return self._values.pop(key)
+
+  def check(self) -> None:
+    """Raises `_Stopped` once a worker has failed."""
+    if self.error is not None:
+      raise _Stopped
+
+  def fail(self, error: BaseException) -> None:
+    """Keeps the first error and wakes every waiting worker to stop."""
+    with self._ready:
+      if self.error is None:
+        self.error = error
+      self._ready.notify_all()
+
+
+class _Run:
+  """One `Pipeline` call: its placed params, what its steps keep for later steps, and its
+  result. Each chunk's state (its pullbacks, its gradient sums) is touched only by the steps
+  of that chunk, so with threads by one thread; activations and cotangents cross chunks
+  through the `_Handoff`."""
+
+  def __init__(self, pipeline: Pipeline, params: Sequence[Sequence[Any]],
+               inputs: Sequence[Any], targets: Sequence[Any],
+               consts: Sequence[tuple[Any, ...]] | None, *, threaded: bool):
+    count, n = pipeline.parsed.num_microbatches, len(pipeline.chunks)
+    self.pipeline = pipeline
+    self.params = [list(p) for p in params]  # each chunk's placed before its first step
+    self.inputs, self.targets, self.consts = inputs, targets, consts
+    self.handoff = _Handoff(threaded=threaded)
     # (chunk, microbatch) -> (first layer, end layer, pullback) per replayed run of the chunk
-    pullbacks: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
-    waiting: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
-    grads: list[Any] = [None] * len(chunks)  # per chunk, its layers' running sums
-    owned = [False] * len(chunks)  # whether grads[c] came from _sum (so may be donated)
+    self.pullbacks: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
+    self.waiting: dict[tuple[int, int], list[tuple[int, int, graphed_lib.Pullback]]] = {}
+    self.grads: list[Any] = [None] * n  # per chunk, its layers' running sums
+    self.owned = [False] * n  # whether grads[c] came from _sum (so may be donated)
+    self.result = StepResult([None] * count, [None] * count, self.grads, [None] * count)
 
-    def accumulate(c: int, new: list[Any]) -> list[Any]:
-      if grads[c] is None:
-        return new
-      total = (_sum_into if owned[c] else _sum)(grads[c], new)
-      owned[c] = True
-      return total
+  def accumulate(self, c: int, new: list[Any]) -> None:
+    if self.grads[c] is None:
+      self.grads[c] = new
+      return
+    self.grads[c] = (_sum_into if self.owned[c] else _sum)(self.grads[c], new)
+    self.owned[c] = True
 
-    result = StepResult([None] * count, [None] * count, grads, [None] * count)
-    for kind, c, m in parsed.steps:
-      if kind == "forward":
-        x = self._place(inputs[m] if c == 0 else acts.pop((c - 1, m)), c)
-        side = () if consts is None else self._place(consts[m], c)
-        x, pullbacks[c, m] = _chunk_vjp(chunks[c], params[c], x, side, m, self._runs[c])
-        if c == last:
-          result.outputs[m] = x
-          result.losses[m], cts[c, m] = self._loss_grad(x, self._place(targets[m], c))
-        else:
-          acts[c, m] = x
-      elif kind == "backward":
-        ct = self._place(cts.pop((c, m)), c)
-        chunk_pullbacks = pullbacks.pop((c, m))
-        new = [None] * len(chunks[c])
-        for position in reversed(range(len(chunk_pullbacks))):
-          lo, hi, pullback = chunk_pullbacks[position]
-          # Async offload: this run's residuals first (the chunk's top run), then the next
-          # run's, which come back during this backward.
-          pullback.prefetch()
-          if position:
-            chunk_pullbacks[position - 1][2].prefetch()
-          g_params, ct = pullback(ct)[:2]  # the consts' gradients dropped
-          if self.delay_wgrad and not parsed.has_wgrad:
-            g_params = pullback.wgrad()[0]
-          new[lo:hi] = fusion_lib.per_layer(g_params, lo, hi)
-        if not parsed.has_wgrad:
-          grads[c] = accumulate(c, new)
-        else:
-          waiting[c, m] = chunk_pullbacks
-        if c == 0:
-          result.input_grads[m] = ct
-        else:
-          cts[c - 1, m] = ct
+  def step(self, step: Step) -> None:
+    """Runs one entry of the order."""
+    kind, c, m = step
+    pipeline, result, handoff = self.pipeline, self.result, self.handoff
+    chunk, last = pipeline.chunks[c], len(pipeline.chunks) - 1
+    if kind == "forward":
+      x = pipeline._place(self.inputs[m] if c == 0 else handoff.take(("act", c - 1, m)), c)
+      side = () if self.consts is None else pipeline._place(self.consts[m], c)
+      x, self.pullbacks[c, m] = _chunk_vjp(chunk, self.params[c], x, side, m, pipeline._runs[c])
+      if c == last:
+        result.outputs[m] = x
+        result.losses[m], ct = pipeline._loss_grad(x, pipeline._place(self.targets[m], c))
+        handoff.put(("ct", c, m), ct)
       else:
-        chunk_pullbacks = waiting.pop((c, m))
-        grads[c] = accumulate(c, [grad for lo, hi, pullback in chunk_pullbacks
-                                  for grad in fusion_lib.per_layer(pullback.wgrad()[0], lo, hi)])
-    return result
+        handoff.put(("act", c, m), x)
+    elif kind == "backward":
+      ct = pipeline._place(handoff.take(("ct", c, m)), c)
+      chunk_pullbacks = self.pullbacks.pop((c, m))
+      new = [None] * len(chunk)
+      deferred = pipeline.parsed.has_wgrad
+      for position in reversed(range(len(chunk_pullbacks))):
+        lo, hi, pullback = chunk_pullbacks[position]
+        # Async offload: this run's residuals first (the chunk's top run), then the next
+        # run's, which come back during this backward.
+        pullback.prefetch()
+        if position:
+          chunk_pullbacks[position - 1][2].prefetch()
+        g_params, ct = pullback(ct)[:2]  # the consts' gradients dropped
+        if pipeline.delay_wgrad and not deferred:
+          g_params = pullback.wgrad()[0]
+        new[lo:hi] = fusion_lib.per_layer(g_params, lo, hi)
+      if deferred:
+        self.waiting[c, m] = chunk_pullbacks
+      else:
+        self.accumulate(c, new)
+      if c == 0:
+        result.input_grads[m] = ct
+      else:
+        handoff.put(("ct", c - 1, m), ct)
+    else:
+      self.accumulate(c, [grad for lo, hi, pullback in self.waiting.pop((c, m))
+                          for grad in fusion_lib.per_layer(pullback.wgrad()[0], lo, hi)])

@@ -5,6 +5,7 @@ and property tests over random valid and invalid orders."""
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -322,6 +323,8 @@ def test_pipeline_validation():
                       devices=jax.devices()[:1])
   with pytest.raises(TypeError, match="GraphedCallables"):
     schedule.Pipeline([[block]], [1, -1], loss_fn=loss_fn)
+  with pytest.raises(ValueError, match="threads=True.*needs devices="):
+    schedule.Pipeline([[layers[0]], [layers[1]]], [1, 2, -2, -1], loss_fn=loss_fn, threads=True)
   pipeline = schedule.Pipeline([[layers[0]], [layers[1]]], [1, 2, -2, -1], loss_fn=loss_fn)
   with pytest.raises(ValueError, match="runs 1 microbatches but Pipeline got 2 inputs"):
     inputs, targets = make_batches(2)
@@ -563,6 +566,109 @@ def test_fused_chunks_match_unfused_bitwise_in_fewer_calls(monkeypatch, zero_bub
   assert [s.stats.compiles for s in segments] == [3 if zero_bubble else 2] * 2
   assert all(set(entry.backward) == ({"dgrad", "wgrad"} if zero_bubble else {"full"})
              for s in segments for entry in s.executables.entries.values())
+
+
+# Per case: the order builder, chunks a device, fuse, delay_wgrad.
+THREAD_CASES = {
+    "1f1b_fused": (schedule.one_f_one_b, 1, True, False),
+    "interleaved": (functools.partial(schedule.interleaved_1f1b, num_model_chunks=2), 2,
+                    False, False),
+    "zero_bubble": (schedule.zero_bubble, 1, False, True),
+    "zero_bubble_fused": (schedule.zero_bubble, 1, True, True),
+}
+
+
+@pytest.mark.devices(2)
+@pytest.mark.parametrize("case", sorted(THREAD_CASES))
+def test_threads_match_one_thread_bitwise(case):
+  """`threads=True` (a dispatch thread per device; interleaved: 2 chunks a device): bitwise
+  the one-thread outputs, losses, grads, input grads and params over 2 SGD steps with
+  dropout, the same key counters, each hooked layer's events in the same order (run on its
+  device's thread)."""
+  make_order, per_rank, fuse, delay_wgrad = THREAD_CASES[case]
+  devices, microbatches = devices_for(2)[:2], 4
+  sizes = [3, 3] if per_rank == 1 else [2, 1, 1, 2]
+  chunk_devices = [devices[c % 2] for c in range(len(sizes))]
+  layer_devices = [d for d, size in zip(chunk_devices, sizes) for _ in range(size)]
+  params = [jax.device_put(init_mlp(k, WIDTH, 2 * WIDTH), d)
+            for k, d in zip(jax.random.split(jax.random.key(0), 6), layer_devices)]
+  inputs, targets = make_batches(microbatches)
+  order = schedule.merge_ranks([make_order(microbatches, pipeline_parallel_size=2, rank=r)
+                                for r in range(2)])
+  log: list[tuple[Any, ...]] = []
+
+  def record(kind: str):
+    return lambda event: log.append((event.index, kind, event.microbatch,
+                                     threading.current_thread().name))
+
+  hooks = jg.Hooks(pre_forward=[record("fpre")], forward=[record("fwd")],
+                   pre_backward=[record("bpre")], backward=[record("bwd")])
+  layers = jg.make_graphed(
+      [dropout_mlp] * 6, [hooks, None, None, None, None, hooks], rng=True,
+      sample_args=[(p, jax.device_put(inputs[0], d)) for p, d in zip(params, layer_devices)],
+      num_warmup_iters=0, delay_wgrad=delay_wgrad)
+
+  def train(threads: bool) -> tuple[Any, ...]:
+    for layer in layers:
+      layer.seed(jax.random.key(7))
+    log.clear()
+    pipeline = schedule.Pipeline(split(layers, sizes), order, loss_fn=loss_fn,
+                                 devices=chunk_devices, fuse=fuse, threads=threads)
+    weights, results = split(params, sizes), []
+    for _ in range(2):
+      results.append(pipeline(weights, inputs, targets))
+      weights = [[sgd(p, g) for p, g in zip(ps, gs)]
+                 for ps, gs in zip(weights, results[-1].grads)]
+    per_layer = {i: [e[1:3] for e in log if e[0] == i] for i in (0, 5)}
+    return (results, weights, [layer.rng_counter for layer in layers], per_layer,
+            {e[3] for e in log})
+
+  threaded, single = train(True), train(False)
+  for a, b in zip(threaded[0], single[0]):
+    for field in ("outputs", "losses", "grads", "input_grads"):
+      assert_trees_equal(getattr(a, field), getattr(b, field))
+  assert_trees_equal(threaded[1], single[1])
+  assert threaded[2] == single[2] == [2 * microbatches] * 6
+  assert threaded[3] == single[3] and len(threaded[3][5]) == 2 * 4 * microbatches
+  assert single[4] == {threading.current_thread().name}
+  # The hooked layers' chunks: the first on devices[0]'s thread, the last on devices[1]'s.
+  assert threaded[4] == {f"jaxgraph Pipeline {d}" for d in devices}
+
+
+@pytest.mark.devices(2)
+def test_threads_stop_on_a_worker_error_and_recover():
+  """A hook raising in one device's thread mid-step (the other thread waiting on it): the
+  error reaches the caller with its note, every worker is joined, no layer is left busy, and
+  the next call runs (bitwise the one-thread call)."""
+  devices, microbatches = devices_for(2)[:2], 4
+  params = [jax.device_put(p, d) for p, d in zip(make_params(2), devices)]
+  inputs, targets = make_batches(microbatches)
+  order = schedule.merge_ranks([schedule.one_f_one_b(microbatches, pipeline_parallel_size=2,
+                                                     rank=r) for r in range(2)])
+  armed = [False]
+
+  def fail(event: jg.HookEvent) -> None:
+    if armed[0] and event.microbatch == 2:
+      raise RuntimeError("hook failed on purpose")
+
+  layers = jg.make_graphed(
+      [block, block], [None, jg.Hooks(forward=[fail])], num_warmup_iters=0,
+      sample_args=[(p, jax.device_put(inputs[0], d)) for p, d in zip(params, devices)])
+  chunks, weights = [[layer] for layer in layers], [[p] for p in params]
+  threaded = schedule.Pipeline(chunks, order, loss_fn=loss_fn, devices=devices, threads=True)
+  single = schedule.Pipeline(chunks, order, loss_fn=loss_fn, devices=devices)
+  threaded(weights, inputs, targets)
+  before = threading.active_count()
+  armed[0] = True
+  with pytest.raises(RuntimeError, match="hook failed on purpose") as info:
+    threaded(weights, inputs, targets)
+  assert any("dispatch thread" in note for note in info.value.__notes__)
+  assert threading.active_count() == before
+  assert not any(layer._busy.locked() for layer in layers)
+  armed[0] = False
+  after, reference = threaded(weights, inputs, targets), single(weights, inputs, targets)
+  assert_trees_equal(after.grads, reference.grads)
+  assert_trees_equal(after.losses, reference.losses)
 
 
 def test_fuse_refuses_bad_values():
