@@ -5,6 +5,8 @@
       --out /tmp/pp                                                               # 4 GPUs
   python3 -m benchmarks.llama_pipeline --preset gpu-1b --stages 4 --microbatches 16 \\
       --schedules 1f1b zero-bubble --fuse --out /tmp/pp        # each chunk's layers fused
+  python3 -m benchmarks.llama_pipeline --preset gpu-1b --stages 4 --microbatches 16 \\
+      --schedules zero-bubble 1f1b --fuse --threads --out /tmp/pp     # a thread per stage
   JAX_PLATFORMS=cpu python3 -m benchmarks.llama_pipeline --preset tiny --stages 2 \\
       --microbatches 4 --steps 4 --round-steps 1 --out /tmp/pp      # CPU smoke: virtual devices
 
@@ -16,7 +18,9 @@ baseline), with `--fsdp N` on the same N devices, then once per schedule with
 (the example's: each chunk's layers, or the one device's or FSDP's, replayed as fused
 segments; in a pipeline `jg.schedule.Pipeline(..., fuse=...)`), so the same tokens a
 step (M microbatches of the preset's batch: `--fsdp` splits each over its devices,
-each pipeline stage runs it whole), without `--check` or generation. Each run's wall time is
+each pipeline stage runs it whole), without `--check` or generation. With `--threads` the
+pipeline runs dispatch each stage from a thread of its own (the example's
+`--pipeline-threads`: `jg.schedule.Pipeline(..., threads=True)`). Each run's wall time is
 printed as it ends; its checkpoint (the example saves the last step) is removed once its
 metrics.json is read.
 
@@ -24,7 +28,8 @@ A run's tokens/s is the training loop's own (metrics.json `tokens_per_second`: t
 its rounds of `--round-steps` steps after a warm-up round; evaluation and checkpoints not
 counted), so `--steps` must hold at least two rounds; its host time is the loop's too
 (`throughput.loop`: the driving thread's CPU time a step, `host_seconds_per_step`, against
-the step's wall time, `step_seconds`).
+the step's wall time, `step_seconds`; with `--threads` also each stage's dispatch thread's,
+`thread_seconds_per_step`, in the row as `thread_ms`).
 
 The bound of a schedule is what N stages give when a stage computes as fast as the
 one-device run and idles only in the order's bubble: N x the baseline's tokens/s x
@@ -100,8 +105,10 @@ def train(args: argparse.Namespace, name: str, *flags: str) -> dict[str, Any]:
 
 
 def pipeline_flags(args: argparse.Namespace, name: str) -> list[str]:
-  """The example's flags of schedule `name`'s runs: its stages and its order."""
-  return ["--pipeline", str(args.stages), "--schedule", name]
+  """The example's flags of schedule `name`'s runs: its stages, its order and with
+  --threads a dispatch thread per stage."""
+  return ["--pipeline", str(args.stages), "--schedule", name,
+          *(["--pipeline-threads"] if args.threads else [])]
 
 
 def busy(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -174,14 +181,17 @@ def row(args: argparse.Namespace, run: dict[str, Any], base: dict[str, Any],
   bubble = schedule.bubble_fraction(pipeline["order"], stages=args.stages)
   bound = args.stages * base["tokens_per_second"] * (1 - bubble)
   host, step = loop["host_seconds_per_step"], loop["step_seconds"]
+  threads = loop.get("thread_seconds_per_step")
   return {"preset": args.preset, "n": args.stages, "schedule": pipeline["schedule"],
-          "fuse": args.fuse or False, "microbatches": args.microbatches,
+          "fuse": args.fuse or False, "threads": pipeline.get("threads", False),
+          "microbatches": args.microbatches,
           "tok_s": round(tok_s), "bubble": bubble,
           "bound": round(bound), "ratio": round(tok_s / bound, 3),
           "fsdp_tok_s": round(fsdp["tokens_per_second"]),
           "peak_gib": _peak_gib([s["peak_bytes"] for s in pipeline["per_stage"]]),
           "spread": round(100 * (max(loop["rounds"]) - min(loop["rounds"])) / tok_s, 1),
           "host_ms": _ms(host), "step_ms": _ms(step), "host_step": round(host / step, 3),
+          "thread_ms": None if threads is None else "/".join(str(_ms(t)) for t in threads),
           "fsdp_peak_gib": _peak_gib([fsdp.get("peak_bytes")]),
           "fsdp_host_ms": _ms(fsdp["throughput"]["loop"]["host_seconds_per_step"]),
           "fsdp_step_ms": _ms(fsdp["throughput"]["loop"]["step_seconds"]),
@@ -190,19 +200,23 @@ def row(args: argparse.Namespace, run: dict[str, Any], base: dict[str, Any],
           "wall_seconds": run["wall_seconds"]}
 
 
-RECORD_KEYS = ("preset", "n", "schedule", "fuse", "microbatches", "tok_s", "bound", "ratio",
+RECORD_KEYS = ("preset", "n", "schedule", "fuse", "threads", "microbatches", "tok_s", "bound",
+               "ratio",
                "fsdp_tok_s", "peak_gib", "spread", "host_ms", "step_ms", "fsdp_peak_gib")
 
 
 def record_lines(rows: list[dict[str, Any]], device: str, command: str, commit: str
                  ) -> list[str]:
   """docs/results/pipeline-gpu.txt's lines: the run's facts, then a `row` line per row
-  (with --busy, `busy=` each stage's busy percent, stage 0 first)."""
+  (with --threads, `thread_ms=` each stage's dispatch thread's CPU ms a step; with --busy,
+  `busy=` each stage's busy percent; stage 0 first)."""
   lines = [f"commit {commit}", f"device {device}", f"jax {jax.__version__}",
            f"xla_flags {os.environ.get('XLA_FLAGS') or '(none)'}",
            f"date {datetime.date.today().isoformat()}", f"command {command}"]
   for r in rows:
     fields = [f"{k}={r[k]}{'%' if k == 'spread' else ''}" for k in RECORD_KEYS]
+    if r["thread_ms"] is not None:
+      fields.append(f"thread_ms={r['thread_ms']}")
     if "busy" in r:
       fields.append(f"busy={_percents(r['busy']['busy_percent'])}%")
     lines.append("row " + " ".join(fields))
@@ -220,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
                       help="every run with the example's --fuse [K]: the layers of each chunk "
                            "(or of the one device, or FSDP's) as one fused forward and backward "
                            "(or segments of at most K layers)")
+  parser.add_argument("--threads", action="store_true",
+                      help="the pipeline runs with the example's --pipeline-threads: each "
+                           "stage dispatched from a thread of its own")
   parser.add_argument("--steps", type=int, help="per run (default: 3 rounds)")
   parser.add_argument("--round-steps", type=int, default=4)
   parser.add_argument("--busy", action="store_true",
@@ -255,10 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.busy:
       r["busy"] = busy(args, name)
     found["rows"].append(r)
-    print(f"{name} (fuse={r['fuse']}): {r['tok_s']:,} tok/s, bound {r['bound']:,} "
+    print(f"{name} (fuse={r['fuse']}, threads={r['threads']}): {r['tok_s']:,} tok/s, bound {r['bound']:,} "
           f"(bubble {r['bubble']:.3f}), ratio {r['ratio']}, FSDP {r['fsdp_tok_s']:,} tok/s, "
           f"peak {r['peak_gib']} GiB (FSDP {r['fsdp_peak_gib']}), spread {r['spread']}%, "
-          f"host/step {r['host_ms']}/{r['step_ms']} ms ({r['host_step']})", flush=True)
+          f"host/step {r['host_ms']}/{r['step_ms']} ms ({r['host_step']})"
+          + ("" if r["thread_ms"] is None else f", threads {r['thread_ms']} ms"), flush=True)
     write_json(args.out / "llama_pipeline.json", found)
     if args.record:  # after every row: a run cut short keeps what is done
       args.record.write_text("\n".join(record_lines(found["rows"], device, command,

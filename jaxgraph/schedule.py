@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import numbers
 import threading
+import time
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 import jax
@@ -566,6 +567,12 @@ class Pipeline:
       is raised in the caller. The workers run under JAX's global configuration: a
       thread-local setting (`with jax.default_matmul_precision(...)`, `with
       jax.default_device(...)`) around the call does not reach them.
+
+  Attributes:
+    thread_seconds: with `threads=True`, per distinct device of `devices` (in their order),
+      the CPU time (`time.thread_time`) its dispatch thread has taken over every call so
+      far, for a measure of how busy each thread keeps; the calling thread's own CPU time
+      leaves it out.
   """
 
   def __init__(self, chunks: Sequence[Sequence[graphed_lib.GraphedCallable]],
@@ -604,6 +611,7 @@ class Pipeline:
                        "so it needs devices=: pass one device per chunk, or threads=False.")
     self.threads = bool(threads)
     self.devices = None if devices is None else list(devices)
+    self.thread_seconds = [0.0] * len(set(self.devices)) if threads else []
     self._shardings = ([] if devices is None else
                        [jax.sharding.SingleDeviceSharding(device) for device in devices])
     self.loss_fn = loss_fn
@@ -686,8 +694,10 @@ class Pipeline:
     for step in self.parsed.steps:
       steps[self.devices[step.chunk]].append(step)
     handoff = run.handoff
+    spent = [0.0] * len(steps)  # each worker's CPU seconds, written by that worker
 
-    def work(device: jax.Device) -> None:
+    def work(index: int, device: jax.Device) -> None:
+      begin = time.thread_time()
       try:
         for c, chunk_device in enumerate(self.devices):
           if chunk_device == device:
@@ -701,9 +711,12 @@ class Pipeline:
         error.add_note(f"raised in Pipeline's dispatch thread for {device} "
                        "(Pipeline(..., threads=True))")
         handoff.fail(error)
+      finally:
+        spent[index] = time.thread_time() - begin
 
-    workers = [threading.Thread(target=work, args=(device,), daemon=True,
-                                name=f"jaxgraph Pipeline {device}") for device in steps]
+    workers = [threading.Thread(target=work, args=(i, device), daemon=True,
+                                name=f"jaxgraph Pipeline {device}")
+               for i, device in enumerate(steps)]
     started: list[threading.Thread] = []
     try:
       for worker in workers:
@@ -716,6 +729,8 @@ class Pipeline:
       for worker in started:
         worker.join()
       raise
+    finally:
+      self.thread_seconds = [total + s for total, s in zip(self.thread_seconds, spent)]
     if handoff.error is not None:
       raise handoff.error
 

@@ -136,12 +136,13 @@ def test_llama_lora_tiny_compares_lora_with_full_fine_tuning(run_script, tmp_pat
 @pytest.mark.cpu_only
 def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
   """benchmarks/llama_pipeline.py trains the example on one device, with --fsdp 2 and by
-  stages (2 virtual devices; --fuse: every run's layers fused, each chunk's in the pipeline) and
-  records each schedule's tokens/s against its bubble's bound (simulated from the order the
-  run recorded), FSDP's tokens/s and the host time a step."""
+  stages (2 virtual devices; --fuse: every run's layers fused, each chunk's in the pipeline;
+  --threads: a dispatch thread per stage) and records each schedule's tokens/s against its
+  bubble's bound (simulated from the order the run recorded), FSDP's tokens/s and the host
+  time a step, each dispatch thread's too."""
   record = tmp_path / "pipeline.txt"
   run = run_script("llama_pipeline", "--preset", "tiny", "--stages", "2", "--microbatches", "2",
-                   "--round-steps", "1", "--schedules", "1f1b", "--fuse", "--cache",
+                   "--round-steps", "1", "--schedules", "1f1b", "--fuse", "--threads", "--cache",
                    str(tmp_path / "cache"), "--out", str(tmp_path), "--record", str(record),
                    devices=2)
   found = json.loads((tmp_path / "llama_pipeline.json").read_text())
@@ -150,6 +151,7 @@ def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
   metrics = json.loads((tmp_path / "1f1b" / "metrics.json").read_text())
   assert metrics["config"]["fuse"] is True and row["fuse"] is True
   assert all("--fuse" in run["command"] for run in (row, base, fsdp))
+  assert "--pipeline-threads" in row["command"] and "--pipeline-threads" not in base["command"]
   bubble = schedule.bubble_fraction(metrics["pipeline"]["order"], stages=2)
   bound = 2 * base["tokens_per_second"] * (1 - bubble)
   assert row["bound"] == round(bound) and row["ratio"] == round(row["tok_s"] / bound, 3)
@@ -161,7 +163,11 @@ def test_llama_pipeline_tiny_records_its_rows(run_script, tmp_path):
   lines = record.read_text().splitlines()
   assert [line.split()[0] for line in lines] == [
       "commit", "device", "jax", "xla_flags", "date", "command", "row"]
-  assert f"schedule=1f1b fuse=True microbatches=2 tok_s={row['tok_s']}" in lines[-1]
+  assert f"schedule=1f1b fuse=True threads=True microbatches=2 tok_s={row['tok_s']}" in lines[-1]
+  threads = loop["thread_seconds_per_step"]
+  assert len(threads) == 2 and row["thread_ms"] == "/".join(str(round(1e3 * t, 2))
+                                                            for t in threads)
+  assert lines[-1].endswith(f" thread_ms={row['thread_ms']}")
   assert f"fsdp_tok_s={row['fsdp_tok_s']} " in lines[-1]
   assert all(f"{name}: " in run.stdout for name in ("one-device", "fsdp-2", "1f1b"))
 

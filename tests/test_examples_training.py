@@ -154,15 +154,18 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
   assert resumed["params_sha256"] == metrics["params_sha256"]
 
   # By 2 stages from step 1, zero-bubble with each chunk's layers fused (one forward, one
-  # dgrad and one deferred wgrad executable a chunk a microbatch): bitwise the one-device
-  # run (tied embeddings: the head's share of the embedding's grads is summed apart, in
-  # another order, which matched here). Per stage: its parts, params and residuals.
+  # dgrad and one deferred wgrad executable a chunk a microbatch), dispatched from a thread
+  # per stage: bitwise the one-device run (tied embeddings: the head's share of the
+  # embedding's grads is summed apart, in another order, which matched here). Per stage: its
+  # parts, params and residuals; per dispatch thread, its CPU time a step.
   if pipeline:
     piped = tmp_path / "piped"
     out = run_example("examples.llama.train", env, *common, "--out", str(piped), "--pipeline",
-                      "2", "--schedule", "zero-bubble", "--fuse")
+                      "2", "--schedule", "zero-bubble", "--fuse", "--pipeline-threads")
     assert "--pipeline 2 --schedule zero-bubble: 2 chunks of [2, 2] parts" in out
     piped_metrics = json.loads((piped / "metrics.json").read_text())
+    assert piped_metrics["pipeline"]["threads"] is True
+    assert len(piped_metrics["throughput"]["loop"]["thread_seconds_per_step"]) == 2
     # Each chunk's first layer captured its own signature and its chunk's fused segment,
     # each three executables (forward, dgrad, wgrad).
     assert [piped_metrics["stats"][f"train {name}"][count] for name in ("Embed[0]", "Block[2]")

@@ -658,6 +658,7 @@ def test_threads_stop_on_a_worker_error_and_recover():
   threaded = schedule.Pipeline(chunks, order, loss_fn=loss_fn, devices=devices, threads=True)
   single = schedule.Pipeline(chunks, order, loss_fn=loss_fn, devices=devices)
   threaded(weights, inputs, targets)
+  assert len(threaded.thread_seconds) == 2 and all(s > 0 for s in threaded.thread_seconds)
   before = threading.active_count()
   armed[0] = True
   with pytest.raises(RuntimeError, match="hook failed on purpose") as info:

@@ -161,6 +161,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                       help="with --pipeline: the stages' order: '1f1b' (default), "
                            "'interleaved' (2N chunks, chunk c on stage c %% N), 'zero-bubble' "
                            "(each backward split, weight gradients deferred)")
+  parser.add_argument("--pipeline-threads", action="store_true",
+                      help="with --pipeline: dispatch each stage's work from a thread of its "
+                           "own (jg.schedule.Pipeline(..., threads=True)) instead of from this "
+                           "one thread; the same results, bit for bit")
   args = parser.parse_args(argv)
   for name in ("steps", "stop_after", "microbatches", "batch", "rounds", "round_steps",
                "context"):

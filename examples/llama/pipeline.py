@@ -1,5 +1,6 @@
 """--pipeline N: the model split into stages, one device each, trained through
-`jg.schedule.Pipeline` from one Python thread (`PipelineTrainer`); the stages and their order
+`jg.schedule.Pipeline` from one Python thread, or with --pipeline-threads from a thread per
+stage (`PipelineTrainer`); the stages and their order
 (`plan`), the layers graphed for them (`build_stage_layers`), the flags that do not combine
 (`check_flags`) and the per-stage report (`stage_report`). docs/llama-options.md."""
 
@@ -45,6 +46,9 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, depth
   if args.pipeline is None:
     if args.schedule is not None:
       parser.error("--schedule orders a pipeline's stages: it needs --pipeline N")
+    if args.pipeline_threads:
+      parser.error("--pipeline-threads dispatches a pipeline's stages from a thread each: it "
+                   "needs --pipeline N")
     return
   n = args.pipeline
   if n < 1:
@@ -243,14 +247,17 @@ class PipelineTrainer:
 
   def __init__(self, layers: Sequence[jg.GraphedCallable], config: Config,
                tx: optax.GradientTransformation, microbatches: int, stages: Stages,
-               positions: jax.Array, *, fuse: bool | int = False):
+               positions: jax.Array, *, fuse: bool | int = False, threads: bool = False):
     """`tx`: the AdamW after the clip (`trainer.adamw`); `fuse`: --fuse, each chunk's layers
-    replayed as fused segments (`jg.schedule.Pipeline(..., fuse=...)`)."""
+    replayed as fused segments (`jg.schedule.Pipeline(..., fuse=...)`); `threads`:
+    --pipeline-threads, each stage's steps dispatched from a thread of its own
+    (`jg.schedule.Pipeline(..., threads=True)`)."""
     self.layers, self.config, self.microbatches = layers, config, microbatches
     self.stages = stages
     chunks = [[layers[i] for i in parts] for parts in stages.ranges()]
     self.pipeline = schedule.Pipeline(chunks, stages.order, loss_fn=loss_of,
-                                      devices=stages.chunk_devices, fuse=fuse)
+                                      devices=stages.chunk_devices, fuse=fuse,
+                                      threads=threads)
     self.positions = {device: jax.device_put(positions, device) for device in stages.devices}
     self.parts = stages.stage_parts()
     self._sums = jax.jit(functools.partial(square_sums, microbatches))

@@ -21,6 +21,7 @@
                         # one of 2 processes of one run (jax.distributed); docs/fsdp.md
   ... --pipeline 2 --schedule 1f1b|interleaved|zero-bubble --microbatches 8
                         # 2 stages on 2 devices, driven by jg.schedule.Pipeline
+                        # (--pipeline-threads: from a thread per stage)
   ... --context 8192 --batch 2 --vocab 8192 --text stdlib   # tokens per sequence, vocabulary
   ... --offload slowdown=5%   # the blocks' residuals in host memory as jaxgraph.offload.plan
                               # picks them (also: all, memory=4GiB); docs/llama.md
@@ -100,7 +101,8 @@ def announce(args: argparse.Namespace, preset: Preset, mesh: Mesh | None,
   if stages is not None:
     print(f"--pipeline {args.pipeline} --schedule {args.schedule or '1f1b'}: {len(stages.sizes)} "
           f"chunks of {list(stages.sizes)} parts (embedding, blocks, head) on devices "
-          f"{[d.id for d in stages.chunk_devices]}, {preset.microbatches} microbatches; "
+          f"{[d.id for d in stages.chunk_devices]}, {preset.microbatches} microbatches"
+          f"{', a dispatch thread per stage' if args.pipeline_threads else ''}; "
           f"order {stages.order}")
   if mesh is not None:
     print(f"--fsdp {args.fsdp}: params, grads and optimizer state sharded over "
@@ -245,7 +247,7 @@ def make_step(args: argparse.Namespace, preset: Preset, config: Config,
   elif stages is not None:
     trainer = PipelineTrainer(captured.train, config, adamw(preset, preset.steps),
                               preset.microbatches, stages, captured.positions,
-                              fuse=args.fuse or False)
+                              fuse=args.fuse or False, threads=args.pipeline_threads)
   else:
     trainer = Trainer(captured.train, config, tx, preset.microbatches, params, opt_state,
                       placement, fuse=args.fuse or False, prefetch=args.prefetch,
@@ -279,7 +281,11 @@ def train_steps(trainer: Stepper, params: Params, opt_state: Any, losses: list[f
   metrics_path = out / "metrics.json"
   writer = jax.process_index() == 0  # metrics.json and loss.png: one process writes them
   tokens_per_step = preset.microbatches * preset.batch * preset.context
-  timer = RoundTimer(preset.round_steps, tokens_per_step)
+  # --pipeline-threads: each stage's dispatch thread's CPU time, timed beside this thread's
+  threaded = (trainer.pipeline if isinstance(trainer, PipelineTrainer)
+              and trainer.pipeline.threads else None)
+  timer = RoundTimer(preset.round_steps, tokens_per_step,
+                     threads=None if threaded is None else lambda: threaded.thread_seconds)
   pending: list[jax.Array] = []
   bar = progress_bar(range(first + 1, stop + 1), total=total)
   timer.start()
@@ -349,7 +355,11 @@ def summarize(args: argparse.Namespace, preset: Preset, params: Params, losses: 
     rate = (f"{describe_rates(loop)} {mode}, after {preset.round_steps} untimed warm-up "
             "steps; evaluation and checkpoints not counted; the driving thread's CPU time "
             f"{1e3 * loop['host_seconds_per_step']:.1f} ms of a "
-            f"{1e3 * loop['step_seconds']:.1f} ms step" if loop["rounds"] else
+            f"{1e3 * loop['step_seconds']:.1f} ms step"
+            + ("" if loop.get("thread_seconds_per_step") is None else
+               ", the stages' dispatch threads' " + "/".join(
+                   f"{1e3 * s:.1f}" for s in loop["thread_seconds_per_step"]) + " ms")
+            if loop["rounds"] else
             f"tok/s not measured: {run_steps} steps, fewer than a warm-up round and a timed "
             f"round of --round-steps {preset.round_steps}")
     print(f"trained steps {first + 1}-{stop} ({timer.seconds:.1f} s of training): final loss "
@@ -464,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      vocabulary=vocabulary, tuning=tuning)
   if stages is not None:
     result["pipeline"] = {"stages": args.pipeline, "schedule": args.schedule or "1f1b",
-                          "order": stages.order,
+                          "threads": args.pipeline_threads, "order": stages.order,
                           "per_stage": stage_report(stages, captured.train, params)}
     for stage in result["pipeline"]["per_stage"]:
       peak = stage["peak_bytes"]
