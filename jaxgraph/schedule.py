@@ -11,7 +11,8 @@ An order is a list of 1-based chunk ids (Transformer Engine's `_order`, Megatron
 
 `parse_order` validates an order and expands it into `Step`s; `interleaved_1f1b`,
 `one_f_one_b`, `zero_bubble` and `merge_ranks` build orders; `Pipeline` runs one over
-microbatches for a model split into chunks, each chunk optionally on its own device.
+microbatches for a model split into chunks, each chunk optionally on its own device, from
+the calling thread or from a thread per device.
 """
 
 from __future__ import annotations
@@ -571,8 +572,8 @@ class Pipeline:
   Attributes:
     thread_seconds: with `threads=True`, per distinct device of `devices` (in their order),
       the CPU time (`time.thread_time`) its dispatch thread has taken over every call so
-      far, for a measure of how busy each thread keeps; the calling thread's own CPU time
-      leaves it out.
+      far, for a measure of how busy each thread keeps (the calling thread's CPU time is
+      not in it).
   """
 
   def __init__(self, chunks: Sequence[Sequence[graphed_lib.GraphedCallable]],
