@@ -196,6 +196,8 @@ def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
     (["--pipeline", "2", "--fsdp", "2", "--prefetch"],
      r"--pipeline does not combine with --fsdp, --prefetch \(--fsdp shards .*\): drop them"),
     (["--schedule", "zero-bubble"], "--schedule orders a pipeline's stages: it needs --pipeline"),
+    (["--pipeline-threads"], "--pipeline-threads dispatches a pipeline's stages from a thread "
+                             "each: it needs --pipeline N"),
     (["--pipeline", "2", "--schedule", "interleaved"],
      "splits the 2 blocks into 4 chunks of at least one block each: pass at most 1 stages"),
 ], ids=["seed", "dropout", "negative_dropout", "generate", "temperature", "rounds",
@@ -205,7 +207,7 @@ def test_metrics_json_is_written_atomically(tmp_path, monkeypatch):
         "process_id", "context", "vocab", "offload_spelling", "offload_unit",
         "offload_slowdown", "offload_whole_step", "offload_fuse", "offload_fsdp",
         "stop_after_past_steps", "keep_checkpoints", "pipeline_fsdp_prefetch",
-        "schedule_alone", "pipeline_interleaved_depth"])
+        "schedule_alone", "pipeline_threads_alone", "pipeline_interleaved_depth"])
 def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):
   with pytest.raises(SystemExit) as exit:
     llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path), *flags])
