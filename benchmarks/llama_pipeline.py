@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.busy:
       r["busy"] = busy(args, name)
     found["rows"].append(r)
-    print(f"{name} (fuse={r['fuse']}, threads={r['threads']}): {r['tok_s']:,} tok/s, bound {r['bound']:,} "
+    print(f"{name} (fuse={r['fuse']}, threads={r['threads']}): {r['tok_s']:,} tok/s, "
+          f"bound {r['bound']:,} "
           f"(bubble {r['bubble']:.3f}), ratio {r['ratio']}, FSDP {r['fsdp_tok_s']:,} tok/s, "
           f"peak {r['peak_gib']} GiB (FSDP {r['fsdp_peak_gib']}), spread {r['spread']}%, "
           f"host/step {r['host_ms']}/{r['step_ms']} ms ({r['host_step']})"
