@@ -21,7 +21,7 @@ import pytest
 import llama_golden
 from examples import checkpoints as checkpoints_lib
 from examples_support import (checkpoint_state, continue_run, final_params, flip_bytes,
-                              interrupted, run_example)
+                              interrupted, run_example, unoptimized)
 from examples_support import env, llama  # noqa: F401 (pytest fixtures)
 
 
@@ -103,10 +103,11 @@ def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, e
   assert resumed["params_sha256"] == metrics["params_sha256"]
 
   # --whole-step: the same loop through one jax.jit, the same keys (first step bitwise as
-  # --check found), timed the same way.
+  # --check found), timed the same way. The same flags as --check's: its whole step, the
+  # same program, comes from the compilation cache.
   step = tmp_path / "step"
-  out = run_example("examples.llama.train", env, "--preset", "tiny", "--steps", "12", "--generate",
-                    "0", "--whole-step", "--out", str(step))
+  out = run_example("examples.llama.train", env, *common, "--generate", "0", "--whole-step",
+                    "--out", str(step))
   assert "--whole-step: training through one whole-step jax.jit" in out
   assert "train Block" not in out  # no graphed training layers captured
   trained = json.loads((step / "metrics.json").read_text())
@@ -118,12 +119,12 @@ def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, e
 
 def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, env):
   env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false"}
-  # Flat and recompute: the defaults. Generation (not part of a run's config) only in the
-  # first run: the later runs are compared with its training.
+  # Flat and recompute: the defaults. No generation: the runs are compared by their
+  # training (flat params generate in the --fsdp runs, tests/test_examples_fsdp.py, and in
+  # test_llama_lora_fine_tunes_a_trained_run).
   common = ["--preset", "tiny", "--steps", "12", "--generate", "0"]
   whole, parts = tmp_path / "whole", tmp_path / "parts"
-  out = run_example("examples.llama.train", env, *common[:-1], "4", "--out", str(whole),
-                    "--check")
+  out = run_example("examples.llama.train", env, *common, "--out", str(whole), "--check")
   assert "params held flat: 6 buffers for 20 leaves" in out  # decay / no_decay per part
   metrics = json.loads((whole / "metrics.json").read_text())
   losses = metrics["losses"]
@@ -207,11 +208,13 @@ def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, e
 
 def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, env):
   """Also a byte-level BPE vocabulary (trained on the fables into --cache, recorded in the
-  checkpoint) and --offload of the blocks in a make_graphed call of their own."""
-  out = run_example("examples.llama.train", env, "--preset", "tiny", "--steps", "4", "--generate",
-                    "4", "--plain-ends", "--untied", "--dropout", "0", "--microbatches", "1",
-                    "--vocab", "300", "--cache", str(tmp_path / "cache"), "--offload", "all",
-                    "--out", str(tmp_path))
+  checkpoint) and --offload of the blocks in a make_graphed call of their own. On the CPU
+  compiled `unoptimized`: the run is checked by what it prints and writes, its loss only
+  falling."""
+  out = run_example("examples.llama.train", unoptimized(env), "--preset", "tiny", "--steps",
+                    "4", "--generate", "4", "--plain-ends", "--untied", "--dropout", "0",
+                    "--microbatches", "1", "--vocab", "300", "--cache", str(tmp_path / "cache"),
+                    "--offload", "all", "--out", str(tmp_path))
   assert "embedding and head run under plain jax.jit" in out
   assert "steps=4," in out  # the header shows the run's steps (the preset's are 12)
   # The bar counts the steps as they run (it read 0/4 until the end, redrawn only after 1 s).
@@ -229,7 +232,25 @@ def test_llama_plain_ends_untied_without_dropout_subwords_offloaded(tmp_path, en
   assert step == 4 and meta["vocabulary"] == vocabulary
 
 
-def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
+# The tiny preset as a user runs it, once for the tests of this group (one xdist worker): the
+# golden numbers' run and the LoRA test's base run.
+TINY_GROUP = pytest.mark.xdist_group("llama-tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> pathlib.Path:
+  """The --out of `--preset tiny` with nothing else given (12 steps, then generation, where
+  this machine has golden numbers to check its text; else `--generate 0`): read only (a test
+  that changes it copies it first)."""
+  out = tmp_path_factory.mktemp("tiny") / "run"
+  golden = isinstance(llama_golden.expected(), dict)
+  run_example("examples.llama.train", env, "--preset", "tiny", "--out", str(out),
+              *([] if golden else ["--generate", "0"]))
+  return out
+
+
+@TINY_GROUP
+def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env, tiny_run):
   """A tiny run, then `--lora 4 --init-from` it into an --out of its own: the base params
   (the run's last checkpoint) stay bitwise what they were, in the checkpoint and by digest
   before and after; the adapters train (Optax over them only) and the held-out loss drops
@@ -238,7 +259,7 @@ def test_llama_lora_fine_tunes_a_trained_run(llama, tmp_path, env):
   on LoRA, and for fine-tuning every param."""
   base, tuned, resumed = tmp_path / "base", tmp_path / "lora", tmp_path / "resumed"
   tiny = ["--preset", "tiny", "--generate", "0"]
-  run_example("examples.llama.train", env, *tiny, "--out", str(base))
+  shutil.copytree(tiny_run, base)  # a tiny run (moved away below)
   lora = [*tiny, "--init-from", str(base), "--lora", "4"]
   out = run_example("examples.llama.train", env, *lora, "--out", str(tuned))
   trained = json.loads((base / "metrics.json").read_text())
@@ -369,19 +390,20 @@ def _golden() -> dict[str, Any]:
   return found
 
 
-def test_llama_tiny_preset_computes_the_golden_numbers(tmp_path, env):
+@TINY_GROUP
+def test_llama_tiny_preset_computes_the_golden_numbers(tiny_run):
   """`--preset tiny` as a user runs it: bit for bit the losses, held-out losses, params and
   generated text the example computed before it became a package of modules (ac11c78;
   tests/data/llama/golden.json says how they were recorded)."""
   golden = _golden()
-  run_example("examples.llama.train", env, "--preset", "tiny", "--out", str(tmp_path))
-  metrics = json.loads((tmp_path / "metrics.json").read_text())
+  metrics = json.loads((tiny_run / "metrics.json").read_text())
   assert metrics["losses"] == golden["losses"]  # floats from float32: equal means bitwise
   assert metrics["eval_losses"] == golden["eval_losses"]
   assert metrics["params_sha256"] == golden["params_sha256"]
   assert metrics["generation"]["continuation"] == golden["continuation"]
 
 
+@pytest.mark.cpu_only
 def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llama, capsys, tmp_path,
                                                                            env):
   """The step-10 checkpoint of that golden run, as the example at ac11c78 wrote it, resumes
@@ -390,8 +412,11 @@ def test_llama_resumes_a_checkpoint_written_before_the_split_through_ctrl_c(llam
   gets Ctrl-C inside the capture's first compile, in step 12's evaluation (steps 11 and 12
   trained, not saved) and in its save: each time one line, status 130, and the command it
   names goes on; the last one finds the run finished and writes the missing metrics.json
-  from its checkpoint. Where the
-  golden numbers were recorded, the losses are bit for bit the golden run's."""
+  from its checkpoint. Where the golden numbers were recorded, the losses are bit for bit
+  the golden run's. The runs are on the CPU on any machine (`cpu_only`): what Ctrl-C does is
+  the example's (examples/interrupt.py), not the device's, and the golden numbers are the
+  CPU's."""
+  env = {**env, "JAX_PLATFORMS": "cpu"}
   shutil.copytree(llama_golden.CHECKPOINT, tmp_path / "checkpoints")
   run = ["--preset", "tiny", "--out", str(tmp_path), "--resume"]
   with pytest.raises(SystemExit):
