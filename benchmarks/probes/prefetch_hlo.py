@@ -2,9 +2,9 @@
 
 Builds the Llama example's step as `benchmarks/llama_fsdp.py` builds a row `PRESET:N`
 (the preset's batch times N, `--fsdp N`), twice: with `--prefetch` and with `--no-prefetch`,
-and the sharded whole-step `jax.jit` they are timed against (`WholeStep`); dropout off, as `gpu-1b` has it. Runs one
-microbatch of each graphed step (that captures its executables; nothing is timed), then per
-compiled executable prints:
+and the sharded whole-step `jax.jit` they are timed against (`WholeStep`); dropout off, as
+`gpu-1b` has it. Runs one microbatch of each graphed step (that captures its executables;
+nothing is timed), then per compiled executable prints:
 
   flops, bytes accessed      `compiled.cost_analysis()` (XLA's own count, per device);
   args/out/temp MB           `compiled.memory_analysis()`, per device;
