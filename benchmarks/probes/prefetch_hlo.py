@@ -135,7 +135,7 @@ def build_row(preset: str, n: int, prefetch: bool, whole: bool, out: pathlib.Pat
   """One variant of the row: its graphed step's executables captured by one microbatch
   (and with `whole`, the whole step's), summarized."""
   argv = ["--preset", preset, "--batch", str(PRESETS[preset].batch * n), "--out", str(out),
-          "--generate", "0", "--cache", str(out / "cache"), "--dropout", "0",
+          "--generate", "0", "--dropout", "0",
           "--prefetch" if prefetch else "--no-prefetch"]
   args = train.parse(argv + (["--fsdp", str(n)] if n > 1 else []))
   built = train.build(args)
