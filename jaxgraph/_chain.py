@@ -126,13 +126,7 @@ def sequential_vjp(layers: Sequence[GraphedCallable], params_list: Sequence[Any]
                       "GraphedCallable; build the stack with jaxgraph.make_graphed.")
     layer.require_backward(f"sequential_vjp (layers[{i}])")
   pullback_lib.check_carry(layers, params_list, x, *consts, where="sequential_vjp")
-  if isinstance(fuse, bool):
-    longest = None if fuse else 1
-  elif isinstance(fuse, int) and fuse >= 1:
-    longest = fuse
-  else:
-    raise TypeError(f"sequential_vjp takes fuse= a bool, or an int >= 1 (the longest fused "
-                    f"run, in layers), got {fuse!r}.")
+  longest = fusion_lib.longest_run(fuse, "sequential_vjp")
   steps: list[tuple[int, int, Any]] = []
   for cuts, chain in _plan_of(layers, params_list, longest, prefetch):
     lo, hi = cuts[0][0], cuts[-1][1]

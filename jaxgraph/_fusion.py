@@ -78,6 +78,17 @@ def per_layer(grads: Any, lo: int, hi: int) -> list[Any]:
   return list(grads) if hi - lo > 1 else [grads]
 
 
+def longest_run(fuse: bool | int, where: str) -> int | None:
+  """The longest fused run that `where`'s `fuse=` asks for: None (no bound) for True, 1 (every
+  layer alone) for False, else the int, at least 1."""
+  if isinstance(fuse, bool):
+    return None if fuse else 1
+  if isinstance(fuse, int) and fuse >= 1:
+    return fuse
+  raise TypeError(f"{where} takes fuse= a bool, or an int >= 1 (the longest fused run, in "
+                  f"layers), got {fuse!r}.")
+
+
 def runs(layers: Sequence[graphed_lib.GraphedCallable], longest: int | None = None
          ) -> list[tuple[int, int]]:
   """`[lo, hi)` runs of `layers`: maximal runs of fusable layers from one `make_graphed`

@@ -593,13 +593,7 @@ class Pipeline:
       raise ValueError("some layers were built with delay_wgrad=True and some without; build "
                        "every layer of a pipeline the same way.")
     self.delay_wgrad = delay.pop()
-    if isinstance(fuse, bool):
-      longest = None if fuse else 1
-    elif isinstance(fuse, int) and fuse >= 1:
-      longest = fuse
-    else:
-      raise TypeError(f"Pipeline takes fuse= a bool, or an int >= 1 (the longest fused run, "
-                      f"in layers), got {fuse!r}.")
+    longest = fusion_lib.longest_run(fuse, "Pipeline")
     self.parsed = parse_order(order, delay_wgrad=self.delay_wgrad)
     if self.parsed.num_chunks != len(self.chunks):
       raise ValueError(f"the order has {self.parsed.num_chunks} chunks but Pipeline got "
@@ -617,6 +611,10 @@ class Pipeline:
                        [jax.sharding.SingleDeviceSharding(device) for device in devices])
     self.loss_fn = loss_fn
     self._loss_grad = jax.jit(jax.value_and_grad(loss_fn))
+    # With threads, each device's steps: the order's, filtered to its chunks.
+    self._device_steps: dict[jax.Device, list[Step]] = {device: [] for device in devices or ()}
+    for step in self.parsed.steps if threads else ():
+      self._device_steps[devices[step.chunk]].append(step)
     # Per chunk, its runs and their fused segments (hook-free runs; the hooks are the
     # layers' own since make_graphed), found once: every step replays the same.
     self._runs = [[(lo, hi, fusion_lib.segment(chunk[lo:hi]) if hi - lo > 1 else None)
@@ -691,9 +689,7 @@ class Pipeline:
     order, so before `s`: a contradiction. A failing worker sets the handoff's error, which
     wakes and stops every waiting worker; the others stop before their next step.
     """
-    steps: dict[jax.Device, list[Step]] = {device: [] for device in self.devices}
-    for step in self.parsed.steps:
-      steps[self.devices[step.chunk]].append(step)
+    steps = self._device_steps
     handoff = run.handoff
     spent = [0.0] * len(steps)  # each worker's CPU seconds, written by that worker
 
