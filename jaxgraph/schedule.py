@@ -604,6 +604,8 @@ class Pipeline:
     if threads and devices is None:
       raise ValueError("Pipeline(..., threads=True) dispatches from one thread per device, "
                        "so it needs devices=: pass one device per chunk, or threads=False.")
+    if threads:
+      _check_one_device_each(self.chunks, devices)
     self.threads = bool(threads)
     self.devices = None if devices is None else list(devices)
     self.thread_seconds = [0.0] * len(set(self.devices)) if threads else []
@@ -730,6 +732,22 @@ class Pipeline:
       self.thread_seconds = [total + s for total, s in zip(self.thread_seconds, spent)]
     if handoff.error is not None:
       raise handoff.error
+
+
+def _check_one_device_each(chunks: Sequence[Sequence[graphed_lib.GraphedCallable]],
+                           devices: Sequence[jax.Device]) -> None:
+  """With a dispatch thread per device, a layer in chunks on two devices would be called
+  by two threads at once, which a GraphedCallable refuses mid-step: refuse it here."""
+  found: dict[graphed_lib.GraphedCallable, tuple[int, jax.Device]] = {}
+  for c, (chunk, device) in enumerate(zip(chunks, devices)):
+    for layer in chunk:
+      first = found.setdefault(layer, (c, device))
+      if first[1] != device:
+        raise ValueError(
+            f"Pipeline(..., threads=True): {layer.name} is in chunk {first[0] + 1} on "
+            f"{first[1]} and in chunk {c + 1} on {device}, so two dispatch threads would "
+            "call it at once, and a GraphedCallable runs in one thread at a time. Give each "
+            "chunk its own layers (make_graphed for each), or pass threads=False.")
 
 
 class _Stopped(Exception):

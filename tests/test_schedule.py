@@ -672,6 +672,18 @@ def test_threads_stop_on_a_worker_error_and_recover():
   assert_trees_equal(after.losses, reference.losses)
 
 
+@pytest.mark.devices(2)
+def test_threads_refuse_a_layer_on_two_devices():
+  """A layer in chunks on two devices would be called by two dispatch threads at once; on
+  one device its thread calls it in order, as without threads."""
+  layers, devices = _graph([1, 2, -2, -1]), devices_for(2)[:2]
+  with pytest.raises(ValueError, match=r"is in chunk 1 on .* and in chunk 2 on .* threads=False"):
+    schedule.Pipeline([[layers[0]], [layers[0]]], [1, 2, -2, -1], loss_fn=loss_fn,
+                      devices=devices, threads=True)
+  schedule.Pipeline([[layers[0]], [layers[0]]], [1, 2, -2, -1], loss_fn=loss_fn,
+                    devices=[devices[0]] * 2, threads=True)
+
+
 def test_fuse_refuses_bad_values():
   layers = _graphed_chunks(2, False)
   for bad in (0, 1.5, "2"):
