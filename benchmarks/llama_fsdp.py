@@ -97,9 +97,37 @@ def call_microseconds(trainer: Any, params: Any, corpus: Any, positions: Any) ->
           "block_backward_us": round(1e6 * statistics.median(backward), 1)}
 
 
+# idle gaps between a GPU's kernels, by length (microseconds): a launch's own gap, a host
+# that was behind for a while, a host that was away
+GAP_BUCKETS = ((0, 50), (50, 1000), (1000, float("inf")))
+
+
+def _gaps(kernels: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+  """The idle gaps between sorted `(start, stop, name)` kernels: `(microseconds, the name of
+  the kernel that ended last before it, the name of the one after)`, names cut to 60."""
+  gaps, end, last = [], None, ""
+  for start, stop, name in kernels:
+    if end is not None and start > end:
+      gaps.append((round(start - end, 1), last[:60], name[:60]))
+    if end is None or stop > end:
+      end, last = stop, name
+  return gaps
+
+
+def _gap_buckets(gaps: list[float], steps: int) -> dict[str, dict[str, float]]:
+  """Per bucket of `GAP_BUCKETS`: the gaps a step and their milliseconds a step."""
+  out = {}
+  for lo, hi in GAP_BUCKETS:
+    inside = [gap for gap in gaps if lo <= gap < hi]
+    out[f"{lo:g}-{hi:g}us"] = {"per_step": round(len(inside) / steps, 1),
+                               "ms": round(sum(inside) / steps / 1e3, 3)}
+  return out
+
+
 def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
   """Per GPU and step (milliseconds): busy, NCCL kernels, their part under compute kernels,
-  the exposed rest; and the step's wall time."""
+  the exposed rest, the idle gaps between kernels by length (`GAP_BUCKETS`); and the step's
+  wall time."""
   names = profiling.process_names(trace.events)
   per_gpu: dict[str, dict[str, float]] = {}
   for pid in sorted(profiling.gpu_processes(trace.events)):
@@ -111,7 +139,10 @@ def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
     comm_us, compute_us = profiling.union_us(comm), profiling.union_us(compute)
     busy_us = profiling.union_us(sorted(comm + compute))
     hidden = comm_us + compute_us - busy_us
+    gaps = _gaps(sorted(k for k in kernels if profiling.kernel_kind(k[2]) != "copy"))
     per_gpu[names.get(pid, str(pid))] = {
+        "idle_gaps": _gap_buckets([gap for gap, _, _ in gaps], steps),
+        "longest_gaps": sorted(gaps, reverse=True)[:8],
         "busy_ms": round(busy_us / steps / 1e3, 3), "compute_ms": round(compute_us / steps / 1e3, 3),
         "nccl_ms": round(comm_us / steps / 1e3, 3), "nccl_hidden_ms": round(hidden / steps / 1e3, 3),
         "nccl_exposed_ms": round((comm_us - hidden) / steps / 1e3, 3)}
