@@ -102,16 +102,43 @@ def call_microseconds(trainer: Any, params: Any, corpus: Any, positions: Any) ->
 GAP_BUCKETS = ((0, 50), (50, 1000), (1000, float("inf")))
 
 
-def _gaps(kernels: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
-  """The idle gaps between sorted `(start, stop, name)` kernels: `(microseconds, the name of
-  the kernel that ended last before it, the name of the one after)`, names cut to 60."""
+Span = tuple[float, float, str]  # a trace event's (start, stop) microseconds and its name
+
+
+def _gaps(kernels: list[Span]) -> list[tuple[float, float, str, str]]:
+  """The idle gaps between sorted kernels: `(microseconds, start, the name of the kernel that
+  ended last before it, the name of the one after)`, names cut to 60."""
   gaps, end, last = [], None, ""
   for start, stop, name in kernels:
     if end is not None and start > end:
-      gaps.append((round(start - end, 1), last[:60], name[:60]))
+      gaps.append((round(start - end, 1), end, last[:60], name[:60]))
     if end is None or stop > end:
       end, last = stop, name
   return gaps
+
+
+def _host_during(host: dict[str, list[Span]], start: float, stop: float
+                 ) -> dict[str, str]:
+  """What each host thread did over at least half of `[start, stop)`: its innermost (shortest)
+  event that long, by thread (threads busy for less of it left out), names cut to 60."""
+  found = {}
+  for thread, events in host.items():
+    inside = [(b - a, name) for a, b, name in events
+              if min(b, stop) - max(a, start) >= (stop - start) / 2]
+    if inside:
+      found[thread] = min(inside)[1][:60]
+  return found
+
+
+def _host_threads(events: list[profiling.Event]) -> dict[str, list[Span]]:
+  """The trace's host events (every row but the GPUs'), by thread name."""
+  gpus, threads = profiling.gpu_processes(events), profiling.thread_names(events)
+  host: dict[str, list[Span]] = {}
+  for e in events:
+    if e.get("ph") == "X" and "dur" in e and e.get("pid") not in gpus:
+      thread = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+      host.setdefault(thread, []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+  return host
 
 
 def _gap_buckets(gaps: list[float], steps: int) -> dict[str, dict[str, float]]:
@@ -126,10 +153,12 @@ def _gap_buckets(gaps: list[float], steps: int) -> dict[str, dict[str, float]]:
 
 def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
   """Per GPU and step (milliseconds): busy, NCCL kernels, their part under compute kernels,
-  the exposed rest, the idle gaps between kernels by length (`GAP_BUCKETS`); and the step's
-  wall time."""
+  the exposed rest, the idle gaps between kernels by length (`GAP_BUCKETS`) and the longest
+  of them with the kernels either side and what each host thread did meanwhile; and the
+  step's wall time."""
   names = profiling.process_names(trace.events)
-  per_gpu: dict[str, dict[str, float]] = {}
+  host = _host_threads(trace.events)
+  per_gpu: dict[str, dict[str, Any]] = {}
   for pid in sorted(profiling.gpu_processes(trace.events)):
     kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.events
                if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e]
@@ -140,9 +169,12 @@ def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
     busy_us = profiling.union_us(sorted(comm + compute))
     hidden = comm_us + compute_us - busy_us
     gaps = _gaps(sorted(k for k in kernels if profiling.kernel_kind(k[2]) != "copy"))
+    longest = sorted(gaps, reverse=True)[:8]
     per_gpu[names.get(pid, str(pid))] = {
-        "idle_gaps": _gap_buckets([gap for gap, _, _ in gaps], steps),
-        "longest_gaps": sorted(gaps, reverse=True)[:8],
+        "idle_gaps": _gap_buckets([gap[0] for gap in gaps], steps),
+        "longest_gaps": [{"us": us, "after": before, "before": after,
+                          "host": _host_during(host, start, start + us)}
+                         for us, start, before, after in longest],
         "busy_ms": round(busy_us / steps / 1e3, 3), "compute_ms": round(compute_us / steps / 1e3, 3),
         "nccl_ms": round(comm_us / steps / 1e3, 3), "nccl_hidden_ms": round(hidden / steps / 1e3, 3),
         "nccl_exposed_ms": round((comm_us - hidden) / steps / 1e3, 3)}
