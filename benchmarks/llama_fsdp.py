@@ -172,9 +172,9 @@ def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
     longest = sorted(gaps, reverse=True)[:8]
     per_gpu[names.get(pid, str(pid))] = {
         "idle_gaps": _gap_buckets([gap[0] for gap in gaps], steps),
-        "longest_gaps": [{"us": us, "after": before, "before": after,
+        "longest_gaps": [{"us": us, "after": previous, "before": following,
                           "host": _host_during(host, start, start + us)}
-                         for us, start, before, after in longest],
+                         for us, start, previous, following in longest],
         "busy_ms": round(busy_us / steps / 1e3, 3), "compute_ms": round(compute_us / steps / 1e3, 3),
         "nccl_ms": round(comm_us / steps / 1e3, 3), "nccl_hidden_ms": round(hidden / steps / 1e3, 3),
         "nccl_exposed_ms": round((comm_us - hidden) / steps / 1e3, 3)}
