@@ -347,7 +347,8 @@ class GraphedCallable:
     return self._stream.inputs(stream)
 
   def advance(self, counters: list[jax.Array]) -> None:
-    (self._stream.counter,) = counters
+    (counter,) = counters
+    self._stream.advance(counter)
 
   # ----------------------------------------------------------------------------- internals
 

@@ -50,17 +50,37 @@ class KeyStream:
     base: the stream's base key.
     index: the callable's index, a uint32 scalar.
     counter: the next draw, a uint32 scalar (an array the last forward returned).
+    placed: base and index placed as the last forward returned its counter, which is how
+      the forward takes them (an argument placed otherwise, a single-device key given to an
+      executable over a mesh, costs a copy to every device on every call); None before.
   """
 
   base: jax.Array
   index: jax.Array
   counter: jax.Array
+  placed: tuple[jax.Array, jax.Array] | None = None
 
   def inputs(self, override: tuple[jax.Array, jax.Array] | None = None) -> list[jax.Array]:
     """(base, index, counter) for a stream forward; `override` replaces base and counter
     (warmup draws from a stream of its own)."""
-    base, counter = override if override is not None else (self.base, self.counter)
-    return [base, self.index, counter]
+    if override is not None:
+      return [override[0], self.index, override[1]]
+    base, index = self.placed or (self.base, self.index)
+    return [base, index, self.counter]
+
+  def advance(self, counter: jax.Array) -> None:
+    """Takes the next counter a forward returned, and places base and index like it (once
+    per placement: a forward returns its counter as it takes it)."""
+    self.counter = counter
+    sharding = getattr(counter, "sharding", None)
+    if sharding is None:
+      return
+    if self.placed is None or not _same(self.placed[0].sharding, sharding):
+      self.placed = (jax.device_put(self.base, sharding), jax.device_put(self.index, sharding))
+
+
+def _same(a: Any, b: Any) -> bool:
+  return a is b or a == b
 
 
 def stream_key(index: int, counter: int, base: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ import pytest
 
 import jaxgraph as jg
 from jaxgraph import rng as rng_lib
-from models import dropout_mlp, init_mlp, reference_stack, trees_equal
+from models import devices_for, dropout_mlp, init_mlp, reference_stack, trees_equal
 
 D, H, T = 8, 32, 4
 
@@ -101,6 +101,28 @@ def test_out_of_order_backward(fn):
   assert natural.keys() == swapped.keys()
   for k in natural:
     assert trees_equal(natural[k], swapped[k]), k
+
+
+@pytest.mark.devices(2)
+def test_stream_inputs_are_placed_as_the_forward_takes_them():
+  """Over a mesh, once the stream forward has run, the base key and index it takes are placed
+  as it takes them (placed otherwise, every call copies them to every device first); the
+  draws stay the stream's, and the user's base key is the one given."""
+  mesh = jax.sharding.Mesh(np.array(devices_for(2)[:2]), ("d",))
+  params = jax.device_put(init_mlp(jax.random.key(0), D, H),
+                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  x = jax.device_put(jnp.ones((T, D)),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+  (layer,) = jg.make_graphed([dropout_mlp], sample_args=[(params, x)], rng=True,
+                             num_warmup_iters=1)
+  base = layer.rng_base_key
+  for step in range(3):
+    y, _ = layer.vjp(params, x)
+    assert trees_equal(y, layer(params, x, key=rng_lib.stream_key(0, step, base)))
+    (entry,) = layer.executables.entries.values()
+    taken = jax.tree.leaves(entry.forward["stream", True].input_shardings)[:3]
+    assert [leaf.sharding for leaf in layer.stream_inputs(None)] == taken
+  assert layer.rng_base_key is base and layer.rng_counter == 3
 
 
 def test_warmup_does_not_advance_the_stream():
