@@ -24,6 +24,7 @@ from jaxgraph import _hooks as hooks_lib
 from jaxgraph import _pullback as pullback_lib
 from jaxgraph import _signature as sig_lib
 from jaxgraph import flat as flat_lib
+from jaxgraph import fsdp as fsdp_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph._pullback import Pullback
@@ -348,7 +349,7 @@ class GraphedCallable:
 
   def advance(self, counters: list[jax.Array]) -> None:
     (counter,) = counters
-    self._stream.advance(counter)
+    self._stream.advance(counter, fsdp_lib.place)
 
   # ----------------------------------------------------------------------------- internals
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,37 +50,32 @@ class KeyStream:
     base: the stream's base key.
     index: the callable's index, a uint32 scalar.
     counter: the next draw, a uint32 scalar (an array the last forward returned).
-    placed: base and index placed as the last forward returned its counter, which is how
-      the forward takes them (an argument placed otherwise, a single-device key given to an
-      executable over a mesh, costs a copy to every device on every call); None before.
+    placed: base and index per placement of a counter a forward returned, which is how that
+      forward takes them (an argument placed otherwise, a single-device key given to an
+      executable over a mesh, costs a copy to every device on every call).
   """
 
   base: jax.Array
   index: jax.Array
   counter: jax.Array
-  placed: tuple[jax.Array, jax.Array] | None = None
+  placed: dict[Any, tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=dict)
 
   def inputs(self, override: tuple[jax.Array, jax.Array] | None = None) -> list[jax.Array]:
     """(base, index, counter) for a stream forward; `override` replaces base and counter
     (warmup draws from a stream of its own)."""
     if override is not None:
       return [override[0], self.index, override[1]]
-    base, index = self.placed or (self.base, self.index)
+    found = self.placed.get(getattr(self.counter, "sharding", None))
+    base, index = found if found is not None else (self.base, self.index)
     return [base, index, self.counter]
 
-  def advance(self, counter: jax.Array) -> None:
-    """Takes the next counter a forward returned, and places base and index like it (once
-    per placement: a forward returns its counter as it takes it)."""
+  def advance(self, counter: jax.Array, place: Callable[[jax.Array, Any], jax.Array]) -> None:
+    """Takes the next counter a forward returned, and base and index placed like it, once
+    per placement (`place`: `jaxgraph.fsdp.place`, which also places across processes)."""
     self.counter = counter
-    sharding = getattr(counter, "sharding", None)
-    if sharding is None:
-      return
-    if self.placed is None or not _same(self.placed[0].sharding, sharding):
-      self.placed = (jax.device_put(self.base, sharding), jax.device_put(self.index, sharding))
-
-
-def _same(a: Any, b: Any) -> bool:
-  return a is b or a == b
+    if counter.sharding not in self.placed:
+      self.placed[counter.sharding] = (place(self.base, counter.sharding),
+                                       place(self.index, counter.sharding))
 
 
 def stream_key(index: int, counter: int, base: jax.Array) -> jax.Array:

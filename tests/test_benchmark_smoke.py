@@ -293,6 +293,19 @@ def test_host_per_call_times_fsdp_over_devices_against_the_bare_executables(run_
                                      "cpu_us_per_call", "bare_cpu_us_per_call"))
 
 
+@pytest.mark.cpu_only
+def test_rng_call_times_a_keyed_layer_over_devices(run_script, tmp_path):
+  """benchmarks/probes/rng_call.py times this tree's jaxgraph replaying a `rng=True` layer over
+  2 devices and writes its line as JSON."""
+  run_script("probes.rng_call", "--devices", "2", "--rounds", "2", "--calls", "2",
+             "--json", str(tmp_path / "rng.json"), devices=2)
+  result = json.loads((tmp_path / "rng.json").read_text())
+  assert os.path.realpath(result["jaxgraph"]) == os.path.realpath(
+      os.path.join(ROOT, "jaxgraph", "__init__.py"))
+  assert result["devices"] == 2 and result["platform"] == "cpu"
+  assert 0 < result["min_us"] <= result["median_us"]
+
+
 def _offload_bench():
   return _module("offload_bench")
 
