@@ -65,7 +65,7 @@ class KeyStream:
     (warmup draws from a stream of its own)."""
     if override is not None:
       return [override[0], self.index, override[1]]
-    found = self.placed.get(getattr(self.counter, "sharding", None))
+    found = self.placed.get(self.counter.sharding)
     base, index = found if found is not None else (self.base, self.index)
     return [base, index, self.counter]
 

@@ -532,7 +532,8 @@ def _tree_add(total: Any, grad: Any, *, donate: bool) -> Any:
 
   A float0 gradient (an integer leaf's, or one `grad_mask` leaves out) stays float0 and out
   of the call: a NumPy float0 argument or result sends every call of a jitted function down
-  jax's Python dispatch path, past its C++ one, a millisecond of the driving thread a call.
+  jax's Python dispatch path, past its C++ one (about a millisecond of the driving thread
+  a call on the CPU).
   """
   leaves, treedef = jax.tree.flatten(total)
   grads = treedef.flatten_up_to(grad)
