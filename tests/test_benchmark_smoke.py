@@ -306,6 +306,19 @@ def test_rng_call_times_a_keyed_layer_over_devices(run_script, tmp_path):
   assert 0 < result["min_us"] <= result["median_us"]
 
 
+@pytest.mark.cpu_only
+def test_step_dispatch_finds_nothing_moved_or_slow_in_a_sharded_step(run_script, tmp_path):
+  """benchmarks/probes/step_dispatch.py: the example's FSDP step with prefetch and dropout
+  (key streams over the mesh) moves no argument before a call and takes jax's Python
+  dispatch path for none (the pipeline's sums: test_schedule's host-work test)."""
+  run_script("probes.step_dispatch", "--warmup", "1", "--steps", "1", "--json",
+             str(tmp_path / "fsdp.json"), "--", "--preset", "tiny", "--fsdp", "2",
+             "--prefetch", devices=2)
+  found = json.loads((tmp_path / "fsdp.json").read_text())
+  assert found["steps"] == 1 and found["example"][-1] == "--prefetch"
+  assert found["moved"] == {} and found["python_path"] == {}
+
+
 def _offload_bench():
   return _module("offload_bench")
 
