@@ -15,7 +15,7 @@ cotangents, targets) must move.
   python3 -m benchmarks.probes.step_dispatch -- --preset gpu --fsdp 4       # 4 GPUs
 
 It reads two of jax's internals, `pxla.shard_arg_handlers` (where a jax.Array argument is
-moved) and `pjit._run_python_pjit` (the Python path), as jax 0.10.2 and 0.11.2 name them.
+moved) and `pjit._run_python_pjit` (the Python path), as jax 0.10.2 and 0.11.1 name them.
 Prints a table and, with `--json PATH`, writes the counts there.
 """
 
