@@ -6,9 +6,11 @@ every device of a mesh, on every call), and a call that takes jax's Python dispa
 instead of its C++ one (a NumPy argument or result, a function jax cannot cache). This probe
 builds the example's step as `examples/llama/train.py` does (`train.build`, the example's
 flags after `--`), runs `--warmup` steps, then counts both over `--steps` steps: per step,
-by what was moved (shape, dtype, from, to) and by function. A step that launches only its
-executables counts none; what a pipeline hands between its stages (activations,
-cotangents, targets) must move.
+by what was moved (shape, dtype, from, to: devices, spec, axis types, memory kind if not
+the device's) and by function. jax moves an array the same way for `jax.device_put`, so the
+copies a step asks for are counted too: what a pipeline hands between its stages
+(activations, cotangents, targets), what offload copies to host memory and back. A sharded
+step without them moves nothing.
 
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \\
     python3 -m benchmarks.probes.step_dispatch -- --preset tiny --fsdp 2 --prefetch
@@ -72,7 +74,8 @@ def _short(sharding: Any) -> str:
   spec = getattr(sharding, "spec", None)
   mesh = getattr(sharding, "mesh", None)
   kinds = "" if mesh is None else "/" + ",".join(str(t).split(".")[-1] for t in mesh.axis_types)
-  return f"[{ids}]{'' if spec is None else spec}{kinds}"
+  memory = "" if sharding.memory_kind in (None, "device") else f" {sharding.memory_kind}"
+  return f"[{ids}]{'' if spec is None else spec}{kinds}{memory}"
 
 
 def _steps(built: Any, first: int, count: int) -> Iterator[None]:
