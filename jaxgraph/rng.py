@@ -71,9 +71,13 @@ class KeyStream:
 
   def advance(self, counter: jax.Array, place: Callable[[jax.Array, Any], jax.Array]) -> None:
     """Takes the next counter a forward returned, and base and index placed like it, once
-    per placement (`place`: `jaxgraph.fsdp.place`, which also places across processes)."""
+    per placement (`place`: `jaxgraph.fsdp.place`, which also places across processes).
+
+    Only behind a committed counter: an uncommitted one (a forward on the default device)
+    goes wherever jax sends it next, and base and index committed to its device would tie
+    the stream to that device."""
     self.counter = counter
-    if counter.sharding not in self.placed:
+    if counter.committed and counter.sharding not in self.placed:
       self.placed[counter.sharding] = (place(self.base, counter.sharding),
                                        place(self.index, counter.sharding))
 

@@ -538,6 +538,8 @@ def _tree_add(total: Any, grad: Any, *, donate: bool) -> Any:
   leaves, treedef = jax.tree.flatten(total)
   grads = treedef.flatten_up_to(grad)
   floats = [i for i, leaf in enumerate(leaves) if leaf.dtype != jax.dtypes.float0]
+  if not floats:  # nothing to sum: every leaf frozen or an integer's
+    return total
   summed = (_sum_into if donate else _sum)([leaves[i] for i in floats],
                                            [grads[i] for i in floats])
   for i, leaf in zip(floats, summed):

@@ -125,6 +125,23 @@ def test_stream_inputs_are_placed_as_the_forward_takes_them():
   assert layer.rng_base_key is base and layer.rng_counter == 3
 
 
+@pytest.mark.devices(2)
+def test_a_stream_replayed_on_the_default_device_moves_on_to_another():
+  """A replay on the default device returns its counter uncommitted, so nothing is placed
+  behind it: the layer then replays on another device, drawing the stream's next keys."""
+  layers, params, x = _layers(depth=1)
+  (layer,), other = layers, devices_for(2)[1]
+  base = layer.rng_base_key
+  first = layer(params[0], x)
+  assert trees_equal(first, layer(params[0], x, key=rng_lib.stream_key(0, 0, base)))
+  params_there, x_there = jax.device_put((params[0], x), other)
+  for step in (1, 2):
+    y = layer(params_there, x_there)
+    assert y.devices() == {other}
+    assert trees_equal(y, layer(params_there, x_there, key=rng_lib.stream_key(0, step, base)))
+  assert layer.rng_counter == 3
+
+
 def test_warmup_does_not_advance_the_stream():
   cold, params, x = _layers(num_warmup_iters=0)
   warm, _, _ = _layers(num_warmup_iters=3)
