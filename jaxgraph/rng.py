@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,36 +50,42 @@ class KeyStream:
     base: the stream's base key.
     index: the callable's index, a uint32 scalar.
     counter: the next draw, a uint32 scalar (an array the last forward returned).
-    placed: base and index per placement of a counter a forward returned, which is how that
-      forward takes them (an argument placed otherwise, a single-device key given to an
-      executable over a mesh, costs a copy to every device on every call).
+    placed: base and index placed where a forward takes them, per (base's, index's)
+      sharding: placed once there (an argument placed otherwise, a single-device key given
+      to an executable over a mesh, costs a copy to every device on every call).
   """
 
   base: jax.Array
   index: jax.Array
   counter: jax.Array
-  placed: dict[Any, tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=dict)
+  placed: dict[tuple[Any, Any], tuple[jax.Array, jax.Array]] = dataclasses.field(
+      default_factory=dict)
 
-  def inputs(self, override: tuple[jax.Array, jax.Array] | None = None) -> list[jax.Array]:
+  def inputs(self, override: tuple[jax.Array, jax.Array] | None = None,
+             taken: Sequence[Any] | None = None,
+             place: Callable[[jax.Array, Any], jax.Array] | None = None) -> list[jax.Array]:
     """(base, index, counter) for a stream forward; `override` replaces base and counter
-    (warmup draws from a stream of its own)."""
+    (warmup draws from a stream of its own). With `taken` (the shardings the forward takes
+    the three in) and `place` (`jaxgraph.fsdp.place`, which also places across processes):
+    placed there, base and index once per placement, the counter where it is elsewhere (the
+    last forward ran on other devices)."""
     if override is not None:
       return [override[0], self.index, override[1]]
-    found = self.placed.get(self.counter.sharding)
-    base, index = found if found is not None else (self.base, self.index)
-    return [base, index, self.counter]
+    if taken is None or place is None:
+      return [self.base, self.index, self.counter]
+    base_at, index_at, counter_at = taken
+    found = self.placed.get((base_at, index_at))
+    if found is None:
+      found = self.placed[base_at, index_at] = (place(self.base, base_at),
+                                                place(self.index, index_at))
+    counter = self.counter
+    if not _same(counter.sharding, counter_at, counter.ndim):
+      counter = place(counter, counter_at)
+    return [*found, counter]
 
-  def advance(self, counter: jax.Array, place: Callable[[jax.Array, Any], jax.Array]) -> None:
-    """Takes the next counter a forward returned, and base and index placed like it, once
-    per placement (`place`: `jaxgraph.fsdp.place`, which also places across processes).
 
-    Only behind a committed counter: an uncommitted one (a forward on the default device)
-    goes wherever jax sends it next, and base and index committed to its device would tie
-    the stream to that device."""
-    self.counter = counter
-    if counter.committed and counter.sharding not in self.placed:
-      self.placed[counter.sharding] = (place(self.base, counter.sharding),
-                                       place(self.index, counter.sharding))
+def _same(a: Any, b: Any, ndim: int) -> bool:
+  return a is b or a == b or a.is_equivalent_to(b, ndim)
 
 
 def stream_key(index: int, counter: int, base: jax.Array) -> jax.Array:
