@@ -517,17 +517,34 @@ def _chunk_vjp(layers: Sequence[graphed_lib.GraphedCallable], params: Sequence[A
   return x, steps
 
 
-def _tree_add(total: Any, grad: Any) -> Any:
-  """`total + grad`, leaf by leaf; a float0 gradient (an integer leaf's, or one `grad_mask`
-  leaves out) stays float0."""
-  return jax.tree.map(lambda t, g: t if t.dtype == jax.dtypes.float0 else jnp.add(t, g),
-                      total, grad)
+def _add_leaves(total: list[jax.Array], grad: list[jax.Array]) -> list[jax.Array]:
+  return [jnp.add(t, g) for t, g in zip(total, grad)]
 
 
 # A chunk's gradients accumulate in one call a backward (leaf by leaf, eager adds cost the
-# single driving thread a dispatch each); into its own running sum once there is one.
-_sum = jax.jit(_tree_add)
-_sum_into = jax.jit(_tree_add, donate_argnums=0)
+# driving thread a dispatch each); into its own running sum once there is one.
+_sum = jax.jit(_add_leaves)
+_sum_into = jax.jit(_add_leaves, donate_argnums=0)
+
+
+def _tree_add(total: Any, grad: Any, *, donate: bool) -> Any:
+  """`total + grad`, leaf by leaf, in one call (`total`'s buffers donated with `donate`).
+
+  A float0 gradient (an integer leaf's, or one `grad_mask` leaves out) stays float0 and out
+  of the call: a NumPy float0 argument or result sends every call of a jitted function down
+  jax's Python dispatch path, past its C++ one (about a millisecond of the driving thread
+  a call on the CPU).
+  """
+  leaves, treedef = jax.tree.flatten(total)
+  grads = treedef.flatten_up_to(grad)
+  floats = [i for i, leaf in enumerate(leaves) if leaf.dtype != jax.dtypes.float0]
+  if not floats:  # nothing to sum: every leaf frozen or an integer's
+    return total
+  summed = (_sum_into if donate else _sum)([leaves[i] for i in floats],
+                                           [grads[i] for i in floats])
+  for i, leaf in zip(floats, summed):
+    leaves[i] = leaf
+  return jax.tree.unflatten(treedef, leaves)
 
 
 class Pipeline:
@@ -820,7 +837,7 @@ class _Run:
     if self.grads[c] is None:
       self.grads[c] = new
       return
-    self.grads[c] = (_sum_into if self.owned[c] else _sum)(self.grads[c], new)
+    self.grads[c] = _tree_add(self.grads[c], new, donate=self.owned[c])
     self.owned[c] = True
 
   def step(self, step: Step) -> None:

@@ -26,6 +26,9 @@ from examples_support import env, llama  # noqa: F401 (pytest fixtures)
 
 
 def test_train_gpt_trains_checkpoints_and_resumes_bitwise(tmp_path, env):
+  """On the CPU every run compiles `unoptimized`: the runs are compared with each other
+  (--check's whole step, the resumed run), all compiled with the same flags."""
+  env = unoptimized(env)
   common = ["--preset", "tiny", "--steps", "12", "--sample", "0"]
   whole, parts = tmp_path / "whole", tmp_path / "parts"
   out = run_example("examples.train_gpt", env, *common, "--out", str(whole), "--check")
@@ -58,9 +61,12 @@ def test_train_gpt_trains_checkpoints_and_resumes_bitwise(tmp_path, env):
 
 
 def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, env):
+  """On the CPU every run compiles `unoptimized`: the runs are compared with each other
+  (--check's whole step, the resumed run, --whole-step), all compiled with the same flags."""
   # Without excess precision XLA rounds every bf16 value where the program says, also inside
   # one whole-step executable: then the first step is bitwise that of the whole-step jit.
-  env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false"}
+  env = unoptimized({**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} "
+                                         "--xla_allow_excess_precision=false"})
   common = ["--preset", "tiny", "--steps", "12", "--generate", "8", "--no-flat",
             "--residuals", "all"]  # the defaults are flat and recompute: the other test
   whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -118,7 +124,11 @@ def test_llama_trains_matches_whole_step_resumes_bitwise_and_decodes(tmp_path, e
 
 
 def test_llama_flat_params_train_match_whole_step_and_resume_bitwise(tmp_path, env):
-  env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false"}
+  """On the CPU every run compiles `unoptimized`: the runs are compared with each other
+  (--check's whole step, the resumed, pipelined, offloaded and fused runs), all compiled with
+  the same flags."""
+  env = unoptimized({**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} "
+                                         "--xla_allow_excess_precision=false"})
   # Flat and recompute: the defaults. No generation: the runs are compared by their
   # training (flat params generate in the --fsdp runs, tests/test_examples_fsdp.py, and in
   # test_llama_lora_fine_tunes_a_trained_run).

@@ -476,9 +476,11 @@ def test_two_devices_match_one_device():
 
 def test_pipeline_host_work_a_step(monkeypatch):
   """The driving thread's work: placed params are not put again, and a chunk's gradients
-  accumulate in one call a backward (not one add a leaf)."""
+  accumulate in one call a backward (not one add a leaf), an integer leaf's float0 gradient
+  kept out of it (a NumPy float0 argument sends every call down jax's Python dispatch path)."""
   devices = devices_for(2)[:2]
   params, microbatches = make_params(4), 3
+  params = [{**p, "steps": jnp.arange(3)} for p in params]  # unused by `block`: float0 grads
   inputs, targets = make_batches(microbatches)
   order = schedule.merge_ranks([schedule.one_f_one_b(microbatches, pipeline_parallel_size=2,
                                                      rank=r) for r in range(2)])
@@ -491,16 +493,26 @@ def test_pipeline_host_work_a_step(monkeypatch):
   monkeypatch.setattr(jax, "device_put",
                       lambda tree, *a, **k: put.extend(jax.tree.leaves(tree))
                       or original_put(tree, *a, **k))
+  summed_dtypes = set()
   for name in ("_sum", "_sum_into"):
     jitted = getattr(schedule, name)
-    monkeypatch.setattr(schedule, name, lambda *a, f=jitted, n=name: sums.append(n) or f(*a))
+
+    def counted(*args: Any, f: Any = jitted, n: str = name) -> Any:
+      sums.append(n)
+      summed_dtypes.update(leaf.dtype for leaf in jax.tree.leaves(args))
+      return f(*args)
+
+    monkeypatch.setattr(schedule, name, counted)
   result = pipeline(split(placed, [2, 2]), inputs, targets)
   weights = {id(leaf) for leaf in jax.tree.leaves(placed)}
   assert put and not weights & {id(leaf) for leaf in put}
   # per chunk: the first microbatch's grads kept, then one sum each, into its own after one
   assert sums == ["_sum", "_sum"] + ["_sum_into"] * 2 * (microbatches - 2)
-  assert all(g["w"].devices() == {devices[c]} for c, chunk in enumerate(result.grads)
-             for g in chunk)
+  assert summed_dtypes == {jnp.dtype(jnp.float32)}
+  for c, chunk in enumerate(result.grads):
+    for g in chunk:
+      assert g["w"].devices() == {devices[c]}
+      assert g["steps"].dtype == jax.dtypes.float0 and g["steps"].shape == (3,)
 
 
 @pytest.mark.devices(2)
