@@ -104,8 +104,9 @@ def quiet_closed_loops() -> None:
   each prints a "RuntimeError: Event loop is closed" traceback (through
   `sys.unraisablehook`), as do its coroutines never awaited when the interpreter exits,
   and asyncio logs the futures of its failed writes ("Future exception was never
-  retrieved") when they are collected. Drops those (the failure's own message names the
-  reason); any other unraisable exception or log record goes on as before."""
+  retrieved") when they are collected, and its writer threads that fail after the save has
+  given up log their errors (absl, with tracebacks). Drops those (the failure's own message
+  names the reason); any other unraisable exception or log record goes on as before."""
   previous = sys.unraisablehook
   if getattr(previous, "quiets_closed_loops", False):
     return
@@ -121,10 +122,17 @@ def quiet_closed_loops() -> None:
   hook.quiets_closed_loops = True
   sys.unraisablehook = hook
   logging.getLogger("asyncio").addFilter(_orbax_future_records)
+  logging.getLogger("absl").addFilter(_orbax_late_errors)
 
 
 def _from_orbax(filename: str) -> bool:
   return f"{os.sep}orbax{os.sep}" in filename
+
+
+def _orbax_late_errors(record: logging.LogRecord) -> bool:
+  """False (dropped) for an error Orbax's code logs (a writer thread failing after the save
+  it served has failed and been reported)."""
+  return record.levelno < logging.ERROR or not _from_orbax(record.pathname)
 
 
 def _orbax_future_records(record: logging.LogRecord) -> bool:

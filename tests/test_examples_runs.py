@@ -243,6 +243,27 @@ def test_closed_event_loop_callbacks_are_dropped_and_other_unraisables_kept(monk
   assert seen == [other]
 
 
+def test_orbax_errors_logged_after_a_failed_save_are_dropped_and_others_kept(monkeypatch):
+  """A writer thread of Orbax's that fails after the save it served has failed and been
+  reported logs its error through absl, traceback and all (seen once in the full-disk run
+  above): dropped once the failure is reported; other code's errors and Orbax's warnings
+  go on."""
+  monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
+  absl_logger = logging.getLogger("absl")
+  monkeypatch.setattr(absl_logger, "filters", list(absl_logger.filters))
+  checkpoint_checks.quiet_closed_loops()
+  orbax = os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "_src", "futures",
+                       "future.py")
+
+  def logged(level: int, path: str) -> bool:
+    return bool(absl_logger.filter(
+        logging.LogRecord("absl", level, path, 1, "raised an exception", None, None)))
+
+  assert not logged(logging.ERROR, orbax)
+  assert logged(logging.WARNING, orbax)
+  assert logged(logging.ERROR, os.path.join(os.sep, "work", "examples", "checkpoints.py"))
+
+
 def test_ctrl_c_inside_a_write_waits_for_it():
   """examples/interrupt.py's handler: Ctrl-C inside `held()` (a save, metrics.json) is raised
   when the write is done; elsewhere at once (the runs above: `_interrupted`)."""
