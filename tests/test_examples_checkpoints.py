@@ -6,6 +6,7 @@ runs."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -213,6 +214,21 @@ def test_llama_flags_are_checked_first(llama, capsys, tmp_path, flags, message):
     llama.cli.parse(["--preset", "tiny", "--out", str(tmp_path), *flags])
   assert exit.value.code == 2
   assert re.search(message, capsys.readouterr().err)
+
+
+def test_llama_pipeline_flags_are_checked_before_fsdp_devices(tmp_path):
+  """On one device (a one-GPU machine) too, the flags --pipeline refuses are the message,
+  not the devices --fsdp would need (the test above runs on 8 CPU devices, where both pass
+  the count)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  done = subprocess.run([sys.executable, "-m", "examples.llama.train", "--preset", "tiny",
+                         "--out", str(tmp_path), "--pipeline", "2", "--fsdp", "2",
+                         "--prefetch"], env=env, cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 2, done.stderr
+  assert re.search(r"--pipeline does not combine with --fsdp, --prefetch", done.stderr), (
+      done.stderr)
 
 
 def test_llama_resume_checks_the_checkpoints_step_and_config(llama, capsys, tmp_path):

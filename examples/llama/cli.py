@@ -211,8 +211,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   check_steps(parser, args, preset.steps)
   check_fine_tuning(parser, args, preset)
   check_out(parser, args.out, resume=args.resume, fresh=args.fresh)
-  check_fsdp(parser, args, preset)
+  # the pipeline's flags before --fsdp's devices: a flag it refuses is the message on any
+  # machine (with --pipeline, --fsdp is refused, so no process group starts after)
   check_pipeline(parser, args, preset.depth)
+  check_fsdp(parser, args, preset)
   if args.resume:
     check_resume(parser, args.out, run_config(args, preset), preset.steps,
                  min(preset.steps, args.stop_after or preset.steps), shown=shown_config,
