@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Literal, NamedTuple
+import weakref
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from jaxgraph import _hooks as hooks_lib
 from jaxgraph import _pullback as pullback_lib
 from jaxgraph import _signature as sig_lib
 from jaxgraph import flat as flat_lib
+from jaxgraph import fsdp as fsdp_lib
 from jaxgraph import offload as offload_lib
 from jaxgraph import rng as rng_lib
 from jaxgraph._pullback import Pullback
@@ -342,9 +344,11 @@ class GraphedCallable:
     """Whether a capture warns of keys that are constants of `fn` (a frozen dropout mask)."""
     return True
 
-  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
-    """(base, index, counter) for the stream forward; `stream` overrides base and counter."""
-    return self._stream.inputs(stream)
+  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None,
+                    taken: Sequence[Any] | None = None) -> list[jax.Array]:
+    """(base, index, counter) for the stream forward; `stream` overrides base and counter;
+    `taken`: the shardings the forward takes them in (they are placed there)."""
+    return self._stream.inputs(stream, taken, fsdp_lib.place)
 
   def advance(self, counters: list[jax.Array]) -> None:
     (self._stream.counter,) = counters
@@ -383,10 +387,12 @@ class GraphedCallable:
     exe, seconds = capture_lib.forward_executable(entry, kind, residuals=with_pullback)
     if seconds:
       self.counts.compiled(1, seconds)
+    taken = _stream_shardings(exe, layout.n_keys) if stream_mode else None
     exe = self.executables.local(entry, exe)
     try:
       with jax.profiler.TraceAnnotation(self.trace_names[0]):
-        values = (exe(*self.stream_inputs(stream), *inputs) if stream_mode else exe(*inputs))
+        values = (exe(*self.stream_inputs(stream, taken), *inputs) if stream_mode
+                  else exe(*inputs))
     except (RuntimeError, ValueError) as e:  # deleted: RuntimeError; donated: ValueError
       if entry.donated and pullback_lib.any_deleted(leaves):
         raise RuntimeError(
@@ -438,6 +444,19 @@ class GraphedCallable:
     if from_stream:
       self._stream.counter = self._stream.counter + jnp.uint32(1)
     return result
+
+
+# compiled stream forward -> the shardings it takes its keys' (base, index, counter) in
+_taken: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _stream_shardings(exe: Any, n_keys: int) -> list[Any]:
+  """The shardings a compiled stream forward takes its `n_keys` streams' inputs in (its
+  first `3 * n_keys` arguments), read once per executable."""
+  found = _taken.get(exe)
+  if found is None:
+    found = _taken[exe] = jax.tree.leaves(exe.input_shardings)[:3 * n_keys]
+  return found
 
 
 class _Release:

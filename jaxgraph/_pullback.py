@@ -100,8 +100,9 @@ class Owner(Protocol):
   def twin(self, signature: sig_lib.Signature) -> Any:
     """The Explicit twin mesh to trace `signature` on, or None."""
 
-  def stream_inputs(self, stream: Any) -> list[Any]:
-    """The key stream's inputs to a forward (`stream` overrides base and counter)."""
+  def stream_inputs(self, stream: Any, taken: Any = None) -> list[Any]:
+    """The key stream's inputs to a forward (`stream` overrides base and counter; `taken`:
+    the shardings the forward takes them in)."""
 
   def advance(self, counters: list[Any]) -> None:
     """Moves the key stream on to the counters a forward returned."""

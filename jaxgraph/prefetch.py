@@ -231,8 +231,11 @@ class PrefetchStep(graphed_lib.GraphedCallable):
         signature, own + upcoming_flags + first[n_first:]
         + [False] * len(jax.tree.leaves(consts)))
 
-  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None) -> list[jax.Array]:
-    return [value for layer in self._layers for value in layer.stream_inputs(stream)]
+  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None,
+                    taken: Sequence[Any] | None = None) -> list[jax.Array]:
+    return [value for i, layer in enumerate(self._layers)
+            for value in layer.stream_inputs(stream, None if taken is None
+                                             else taken[3 * i:3 * i + 3])]
 
   def advance(self, counters: list[jax.Array]) -> None:
     for layer, counter in zip(self._layers, counters):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,17 +50,42 @@ class KeyStream:
     base: the stream's base key.
     index: the callable's index, a uint32 scalar.
     counter: the next draw, a uint32 scalar (an array the last forward returned).
+    placed: base and index placed where a forward takes them, per (base's, index's)
+      sharding: placed once there (an argument placed otherwise, a single-device key given
+      to an executable over a mesh, costs a copy to every device on every call).
   """
 
   base: jax.Array
   index: jax.Array
   counter: jax.Array
+  placed: dict[tuple[Any, Any], tuple[jax.Array, jax.Array]] = dataclasses.field(
+      default_factory=dict)
 
-  def inputs(self, override: tuple[jax.Array, jax.Array] | None = None) -> list[jax.Array]:
+  def inputs(self, override: tuple[jax.Array, jax.Array] | None = None,
+             taken: Sequence[Any] | None = None,
+             place: Callable[[jax.Array, Any], jax.Array] | None = None) -> list[jax.Array]:
     """(base, index, counter) for a stream forward; `override` replaces base and counter
-    (warmup draws from a stream of its own)."""
-    base, counter = override if override is not None else (self.base, self.counter)
-    return [base, self.index, counter]
+    (warmup draws from a stream of its own). With `taken` (the shardings the forward takes
+    the three in) and `place` (`jaxgraph.fsdp.place`, which also places across processes):
+    placed there, base and index once per placement, the counter where it is elsewhere (the
+    last forward ran on other devices)."""
+    if override is not None:
+      return [override[0], self.index, override[1]]
+    if taken is None or place is None:
+      return [self.base, self.index, self.counter]
+    base_at, index_at, counter_at = taken
+    found = self.placed.get((base_at, index_at))
+    if found is None:
+      found = self.placed[base_at, index_at] = (place(self.base, base_at),
+                                                place(self.index, index_at))
+    counter = self.counter
+    if not _same(counter.sharding, counter_at, counter.ndim):
+      counter = place(counter, counter_at)
+    return [*found, counter]
+
+
+def _same(a: Any, b: Any, ndim: int) -> bool:
+  return a is b or a == b or a.is_equivalent_to(b, ndim)
 
 
 def stream_key(index: int, counter: int, base: jax.Array) -> jax.Array:

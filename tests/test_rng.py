@@ -9,7 +9,7 @@ import pytest
 
 import jaxgraph as jg
 from jaxgraph import rng as rng_lib
-from models import dropout_mlp, init_mlp, reference_stack, trees_equal
+from models import devices_for, dropout_mlp, init_mlp, reference_stack, trees_equal
 
 D, H, T = 8, 32, 4
 
@@ -101,6 +101,69 @@ def test_out_of_order_backward(fn):
   assert natural.keys() == swapped.keys()
   for k in natural:
     assert trees_equal(natural[k], swapped[k]), k
+
+
+@pytest.mark.devices(2)
+def test_stream_inputs_are_placed_as_the_forward_takes_them():
+  """Over a mesh the stream's base key and index are placed where the stream forward takes
+  them, once (placed otherwise, every call copies them to every device first); the draws
+  stay the stream's, and the user's base key is the one given."""
+  mesh = jax.sharding.Mesh(np.array(devices_for(2)[:2]), ("d",))
+  params = jax.device_put(init_mlp(jax.random.key(0), D, H),
+                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  x = jax.device_put(jnp.ones((T, D)),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+  (layer,) = jg.make_graphed([dropout_mlp], sample_args=[(params, x)], rng=True,
+                             num_warmup_iters=1)
+  base = layer.rng_base_key
+  for step in range(3):
+    y, _ = layer.vjp(params, x)
+    assert trees_equal(y, layer(params, x, key=rng_lib.stream_key(0, step, base)))
+  (entry,) = layer.executables.entries.values()
+  taken = jax.tree.leaves(entry.forward["stream", True].input_shardings)[:3]
+  given = layer.stream_inputs(None, taken)
+  assert [leaf.sharding for leaf in given] == taken
+  # base and index placed once: the same arrays on every call
+  assert all(a is b for a, b in zip(given[:2], layer.stream_inputs(None, taken)[:2]))
+  assert layer.rng_base_key is base and layer.rng_counter == 3
+
+
+@pytest.mark.devices(2)
+def test_a_stream_replayed_on_the_default_device_moves_on_to_another():
+  """A replay on the default device returns its counter uncommitted, so nothing is placed
+  behind it: the layer then replays on another device, drawing the stream's next keys."""
+  layers, params, x = _layers(depth=1)
+  (layer,), other = layers, devices_for(2)[1]
+  base = layer.rng_base_key
+  first = layer(params[0], x)
+  assert trees_equal(first, layer(params[0], x, key=rng_lib.stream_key(0, 0, base)))
+  params_there, x_there = jax.device_put((params[0], x), other)
+  for step in (1, 2):
+    y = layer(params_there, x_there)
+    assert y.devices() == {other}
+    assert trees_equal(y, layer(params_there, x_there, key=rng_lib.stream_key(0, step, base)))
+  assert layer.rng_counter == 3
+
+
+@pytest.mark.devices(4)
+def test_a_stream_replays_on_one_mesh_then_another_and_back():
+  """A layer replayed over one mesh, then another (other devices), then one device and back:
+  every draw is the stream's next key (its inputs follow the forward each call takes)."""
+  devices = devices_for(4)[:4]
+  meshes = [jax.sharding.Mesh(np.array(devices[:2]), ("d",)),
+            jax.sharding.Mesh(np.array(devices[2:]), ("d",))]
+  params = init_mlp(jax.random.key(0), D, H)
+  x = jnp.ones((T, D))
+  placed = [jax.device_put((params, x), (jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec()),
+                                         jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec("d"))))
+            for m in meshes] + [jax.device_put((params, x), devices[3])]
+  (layer,) = jg.make_graphed([dropout_mlp], sample_args=[placed[0]], rng=True,
+                             num_warmup_iters=1, max_captures=3)
+  base = layer.rng_base_key
+  for step, where in enumerate([0, 1, 0, 2, 1, 2]):
+    y, _ = layer.vjp(*placed[where])
+    assert trees_equal(y, dropout_mlp(*placed[where], key=rng_lib.stream_key(0, step, base)))
+  assert layer.rng_counter == 6
 
 
 def test_warmup_does_not_advance_the_stream():
