@@ -168,10 +168,10 @@ class FusedSegment(graphed_lib.GraphedCallable):
     return pullback_lib.differentiated_leaves(signature, flags)
 
   def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None,
-                    taken: Sequence[Any] | None = None) -> list[jax.Array]:
+                    taken: Sequence[tuple[Any, Any, Any]] | None = None) -> list[jax.Array]:
     return [value for i, layer in enumerate(self._layers)
             for value in layer.stream_inputs(stream, None if taken is None
-                                             else taken[3 * i:3 * i + 3])]
+                                             else taken[i:i + 1])]
 
   def advance(self, counters: list[jax.Array]) -> None:
     for layer, counter in zip(self._layers, counters):

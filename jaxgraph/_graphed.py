@@ -345,10 +345,11 @@ class GraphedCallable:
     return True
 
   def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None,
-                    taken: Sequence[Any] | None = None) -> list[jax.Array]:
+                    taken: Sequence[tuple[Any, Any, Any]] | None = None) -> list[jax.Array]:
     """(base, index, counter) for the stream forward; `stream` overrides base and counter;
-    `taken`: the shardings the forward takes them in (they are placed there)."""
-    return self._stream.inputs(stream, taken, fsdp_lib.place)
+    `taken`: the shardings the forward takes them in, a triple per stream (they are placed
+    there)."""
+    return self._stream.inputs(stream, None if taken is None else taken[0], fsdp_lib.place)
 
   def advance(self, counters: list[jax.Array]) -> None:
     (self._stream.counter,) = counters
@@ -446,16 +447,19 @@ class GraphedCallable:
     return result
 
 
-# compiled stream forward -> the shardings it takes its keys' (base, index, counter) in
-_taken: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+# compiled stream forward -> the shardings it takes each stream's (base, index, counter) in
+_taken: weakref.WeakKeyDictionary[Any, list[tuple[Any, Any, Any]]] = (
+    weakref.WeakKeyDictionary())
 
 
-def _stream_shardings(exe: Any, n_keys: int) -> list[Any]:
+def _stream_shardings(exe: Any, n_keys: int) -> list[tuple[Any, Any, Any]]:
   """The shardings a compiled stream forward takes its `n_keys` streams' inputs in (its
-  first `3 * n_keys` arguments), read once per executable."""
+  first `3 * n_keys` arguments), a triple per stream, read once per executable (the same
+  triples every call: `KeyStream.inputs` knows them by identity)."""
   found = _taken.get(exe)
   if found is None:
-    found = _taken[exe] = jax.tree.leaves(exe.input_shardings)[:3 * n_keys]
+    flat = jax.tree.leaves(exe.input_shardings)[:3 * n_keys]
+    found = _taken[exe] = [tuple(flat[i:i + 3]) for i in range(0, 3 * n_keys, 3)]
   return found
 
 

@@ -232,10 +232,10 @@ class PrefetchStep(graphed_lib.GraphedCallable):
         + [False] * len(jax.tree.leaves(consts)))
 
   def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None,
-                    taken: Sequence[Any] | None = None) -> list[jax.Array]:
+                    taken: Sequence[tuple[Any, Any, Any]] | None = None) -> list[jax.Array]:
     return [value for i, layer in enumerate(self._layers)
             for value in layer.stream_inputs(stream, None if taken is None
-                                             else taken[3 * i:3 * i + 3])]
+                                             else taken[i:i + 1])]
 
   def advance(self, counters: list[jax.Array]) -> None:
     for layer, counter in zip(self._layers, counters):

@@ -120,12 +120,35 @@ def test_stream_inputs_are_placed_as_the_forward_takes_them():
     y, _ = layer.vjp(params, x)
     assert trees_equal(y, layer(params, x, key=rng_lib.stream_key(0, step, base)))
   (entry,) = layer.executables.entries.values()
-  taken = jax.tree.leaves(entry.forward["stream", True].input_shardings)[:3]
+  taken = [tuple(jax.tree.leaves(entry.forward["stream", True].input_shardings)[:3])]
   given = layer.stream_inputs(None, taken)
-  assert [leaf.sharding for leaf in given] == taken
+  assert [leaf.sharding for leaf in given] == list(taken[0])
   # base and index placed once: the same arrays on every call
   assert all(a is b for a, b in zip(given[:2], layer.stream_inputs(None, taken)[:2]))
   assert layer.rng_base_key is base and layer.rng_counter == 3
+
+
+@pytest.mark.devices(2)
+def test_a_stream_replayed_by_the_same_forward_checks_no_placement(monkeypatch):
+  """Once its stream's inputs are placed for a forward, a replay of that forward given the
+  counter it returned compares no shardings (it costs the driving thread every call)."""
+  mesh = jax.sharding.Mesh(np.array(devices_for(2)[:2]), ("d",))
+  params = jax.device_put(init_mlp(jax.random.key(0), D, H),
+                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  x = jax.device_put(jnp.ones((T, D)),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+  (layer,) = jg.make_graphed([dropout_mlp], sample_args=[(params, x)], rng=True,
+                             num_warmup_iters=1)
+  base = layer.rng_base_key
+  layer.vjp(params, x)
+  layer.vjp(params, x)  # the first replay given a counter a replay returned
+  compared = []
+  same = rng_lib._same
+  monkeypatch.setattr(rng_lib, "_same", lambda *a: compared.append(a) or same(*a))
+  for step in range(2, 5):
+    y, _ = layer.vjp(params, x)
+    assert trees_equal(y, layer(params, x, key=rng_lib.stream_key(0, step, base)))
+  assert compared == [] and layer.rng_counter == 5
 
 
 @pytest.mark.devices(2)
