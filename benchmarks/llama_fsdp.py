@@ -29,7 +29,9 @@ functions and shardings), from the same params; then:
     for the device);
   trace (--trace, GPU): a profiler trace of `--trace-steps` steps of each, reduced per GPU to
     step time, busy time, collective (NCCL) kernel time, the part of it under compute kernels
-    and the exposed rest.
+    and the exposed rest, the idle gaps between kernels (the longest with what each host
+    thread did meanwhile), and kernel time by kind and for the heaviest kernels by name
+    (where a step computes longer than the other, which kernels).
 
 Prints a table and writes llama_fsdp.json to --out; --record writes the rows as
 docs/results/fsdp-gpu.txt's lines: the run's facts, one `key value` line each (commit,
@@ -42,6 +44,7 @@ stderr, and the script exits with status 1 after the other rows.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -154,8 +157,8 @@ def _gap_buckets(gaps: list[float], steps: int) -> dict[str, dict[str, float]]:
 def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
   """Per GPU and step (milliseconds): busy, NCCL kernels, their part under compute kernels,
   the exposed rest, the idle gaps between kernels by length (`GAP_BUCKETS`) and the longest
-  of them with the kernels either side and what each host thread did meanwhile; and the
-  step's wall time."""
+  of them with the kernels either side and what each host thread did meanwhile; kernel
+  time by kind and name (`_kernel_time`); and the step's wall time."""
   names = profiling.process_names(trace.events)
   host = _host_threads(trace.events)
   per_gpu: dict[str, dict[str, Any]] = {}
@@ -177,8 +180,31 @@ def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
                          for us, start, previous, following in longest],
         "busy_ms": round(busy_us / steps / 1e3, 3), "compute_ms": round(compute_us / steps / 1e3, 3),
         "nccl_ms": round(comm_us / steps / 1e3, 3), "nccl_hidden_ms": round(hidden / steps / 1e3, 3),
-        "nccl_exposed_ms": round((comm_us - hidden) / steps / 1e3, 3)}
+        "nccl_exposed_ms": round((comm_us - hidden) / steps / 1e3, 3),
+        **_kernel_time(kernels, steps)}
   return {"step_ms": round(1e3 * trace.seconds / steps, 3), "gpus": per_gpu}
+
+
+def _kernel_time(kernels: list[tuple[float, float, str]], steps: int,
+                 top: int = 15) -> dict[str, Any]:
+  """Kernel time per step (ms, summed, overlaps counted twice) by kind (`kernel_kind`,
+  NCCL apart) and for the `top` heaviest kernel names (XLA's numeric suffixes dropped, so
+  `loop_add_fusion_12` and `loop_add_fusion_3` are one), with their calls per step: what
+  two steps computing the same model spend their GPU time on, side by side."""
+  by_kind: dict[str, float] = collections.defaultdict(float)
+  by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for start, end, name in kernels:
+    kind = "nccl" if "nccl" in name.lower() else profiling.kernel_kind(name)
+    by_kind[kind] += end - start
+    entry = by_name[re.sub(r"(_\d+)+$", "", name)]
+    entry[0] += end - start
+    entry[1] += 1
+  heaviest = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+  return {"kernel_ms_by_kind": {kind: round(us / steps / 1e3, 3)
+                                for kind, us in sorted(by_kind.items())},
+          "top_kernels": [{"name": name, "ms": round(us / steps / 1e3, 3),
+                           "calls": round(count / steps, 1)}
+                          for name, (us, count) in heaviest]}
 
 
 def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
