@@ -104,9 +104,8 @@ def quiet_closed_loops() -> None:
   each prints a "RuntimeError: Event loop is closed" traceback (through
   `sys.unraisablehook`), as do its coroutines never awaited when the interpreter exits,
   and asyncio logs the futures of its failed writes ("Future exception was never
-  retrieved") when they are collected, and its writer threads that fail after the save has
-  given up log their errors (absl, with tracebacks). Drops those (the failure's own message
-  names the reason); any other unraisable exception or log record goes on as before."""
+  retrieved") when they are collected. Drops those (the failure's own message names the
+  reason); any other unraisable exception or log record goes on as before."""
   previous = sys.unraisablehook
   if getattr(previous, "quiets_closed_loops", False):
     return
@@ -122,7 +121,13 @@ def quiet_closed_loops() -> None:
   hook.quiets_closed_loops = True
   sys.unraisablehook = hook
   logging.getLogger("asyncio").addFilter(_orbax_future_records)
-  logging.getLogger("absl").addFilter(_orbax_late_errors)
+
+
+def quiet_late_orbax_errors() -> None:
+  """Once a save has failed and been reported: drops the errors Orbax's writer threads log
+  after it (absl, with tracebacks; the failure's own message names the reason). Only then:
+  before, `orbax_errors_held` lets out those of a save that did not fail."""
+  logging.getLogger("absl").addFilter(_orbax_late_errors)  # added once however often called
 
 
 def _from_orbax(filename: str) -> bool:

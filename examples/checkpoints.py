@@ -25,7 +25,8 @@ import jaxgraph as jg
 import jaxgraph.rng
 from examples import interrupt
 from examples.checkpoint_checks import (META_DIGEST, meta_digest, orbax_errors_held,
-                                        other_shapes, quiet_closed_loops, reason, tree_digests)
+                                        other_shapes, quiet_closed_loops, quiet_late_orbax_errors,
+                                        reason, tree_digests)
 from examples.progress import close_bars
 
 
@@ -229,8 +230,12 @@ class Checkpoints:
       meta[META_DIGEST] = meta_digest(meta)
       try:
         with orbax_errors_held():
-          saved = self.manager.save(step, args=ocp.args.Composite(
-              state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+          try:
+            saved = self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)))
+          except Exception:
+            quiet_late_orbax_errors()  # while those logged so far are held: none goes out
+            raise
       except Exception as e:  # a full disk (tensorstore's ValueError), OSError, ...
         quiet_closed_loops()
         self._stop(f"could not save checkpoint step {step} in {self.directory}", e)
