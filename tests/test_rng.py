@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,11 +105,9 @@ def test_out_of_order_backward(fn):
     assert trees_equal(natural[k], swapped[k]), k
 
 
-@pytest.mark.devices(2)
-def test_stream_inputs_are_placed_as_the_forward_takes_them():
-  """Over a mesh the stream's base key and index are placed where the stream forward takes
-  them, once (placed otherwise, every call copies them to every device first); the draws
-  stay the stream's, and the user's base key is the one given."""
+def _keyed_layer_over_two_devices() -> tuple[Any, Any, jax.Array]:
+  """A dropout layer with a key stream, its params replicated and its input split over a
+  mesh of 2 devices: (layer, params, x)."""
   mesh = jax.sharding.Mesh(np.array(devices_for(2)[:2]), ("d",))
   params = jax.device_put(init_mlp(jax.random.key(0), D, H),
                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -115,6 +115,15 @@ def test_stream_inputs_are_placed_as_the_forward_takes_them():
                      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
   (layer,) = jg.make_graphed([dropout_mlp], sample_args=[(params, x)], rng=True,
                              num_warmup_iters=1)
+  return layer, params, x
+
+
+@pytest.mark.devices(2)
+def test_stream_inputs_are_placed_as_the_forward_takes_them():
+  """Over a mesh the stream's base key and index are placed where the stream forward takes
+  them, once (placed otherwise, every call copies them to every device first); the draws
+  stay the stream's, and the user's base key is the one given."""
+  layer, params, x = _keyed_layer_over_two_devices()
   base = layer.rng_base_key
   for step in range(3):
     y, _ = layer.vjp(params, x)
@@ -132,13 +141,7 @@ def test_stream_inputs_are_placed_as_the_forward_takes_them():
 def test_a_stream_replayed_by_the_same_forward_checks_no_placement(monkeypatch):
   """Once its stream's inputs are placed for a forward, a replay of that forward given the
   counter it returned compares no shardings (it costs the driving thread every call)."""
-  mesh = jax.sharding.Mesh(np.array(devices_for(2)[:2]), ("d",))
-  params = jax.device_put(init_mlp(jax.random.key(0), D, H),
-                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  x = jax.device_put(jnp.ones((T, D)),
-                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
-  (layer,) = jg.make_graphed([dropout_mlp], sample_args=[(params, x)], rng=True,
-                             num_warmup_iters=1)
+  layer, params, x = _keyed_layer_over_two_devices()
   base = layer.rng_base_key
   layer.vjp(params, x)
   layer.vjp(params, x)  # the first replay given a counter a replay returned
