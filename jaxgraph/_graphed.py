@@ -431,7 +431,8 @@ class GraphedCallable:
     from_stream = self.config.rng and key is None
     if self.config.rng:
       if from_stream:
-        key = rng_lib.derive_key(*self._stream.inputs())
+        base, index, counter = _beside(args, self._stream.inputs())
+        key = rng_lib.derive_key(base, index, counter)
       fn = lambda *a: jitted(*a, key=key)
     else:
       fn = jitted
@@ -443,8 +444,25 @@ class GraphedCallable:
     # Counted (and the stream advanced) only once the call succeeded.
     self.counts.fallbacks += 1
     if from_stream:
-      self._stream.counter = self._stream.counter + jnp.uint32(1)
+      self._stream.counter = counter + jnp.uint32(1)
     return result
+
+
+def _beside(args: tuple[Any, ...], values: list[jax.Array]) -> list[jax.Array]:
+  """`values` replicated on the devices of the first committed array of `args`, where they
+  are elsewhere: a key the fallback's jit derives from them must sit with its arguments (a
+  replay over a mesh leaves the stream's counter there)."""
+  committed = next((leaf for leaf in jax.tree.leaves(args)
+                    if isinstance(leaf, jax.Array) and leaf.committed), None)
+  if committed is None:
+    return values
+  sharding = committed.sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return values
+  return [value if value.sharding.device_set == sharding.device_set
+          else fsdp_lib.place(value, sharding) for value in values]
 
 
 # compiled stream forward -> the shardings it takes each stream's (base, index, counter) in

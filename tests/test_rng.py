@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -172,9 +173,12 @@ def test_a_stream_replayed_on_the_default_device_moves_on_to_another():
 
 
 @pytest.mark.devices(4)
-def test_a_stream_replays_on_one_mesh_then_another_and_back():
+@pytest.mark.parametrize("max_captures", [3, 1])
+def test_a_stream_replays_on_one_mesh_then_another_and_back(max_captures):
   """A layer replayed over one mesh, then another (other devices), then one device and back:
-  every draw is the stream's next key (its inputs follow the forward each call takes)."""
+  every draw is the stream's next key (its inputs follow the forward each call takes). With
+  `max_captures=1` the other placements run through the fallback's jit, which derives the
+  key beside its arguments."""
   devices = devices_for(4)[:4]
   meshes = [jax.sharding.Mesh(np.array(devices[:2]), ("d",)),
             jax.sharding.Mesh(np.array(devices[2:]), ("d",))]
@@ -184,12 +188,16 @@ def test_a_stream_replays_on_one_mesh_then_another_and_back():
                                          jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec("d"))))
             for m in meshes] + [jax.device_put((params, x), devices[3])]
   (layer,) = jg.make_graphed([dropout_mlp], sample_args=[placed[0]], rng=True,
-                             num_warmup_iters=1, max_captures=3)
+                             num_warmup_iters=1, max_captures=max_captures)
   base = layer.rng_base_key
-  for step, where in enumerate([0, 1, 0, 2, 1, 2]):
-    y, _ = layer.vjp(*placed[where])
-    assert trees_equal(y, dropout_mlp(*placed[where], key=rng_lib.stream_key(0, step, base)))
+  order = [0, 1, 0, 2, 1, 2]
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # max_captures=1: the fallback's warning
+    for step, where in enumerate(order):
+      y, _ = layer.vjp(*placed[where])
+      assert trees_equal(y, dropout_mlp(*placed[where], key=rng_lib.stream_key(0, step, base)))
   assert layer.rng_counter == 6
+  assert layer.stats.fallbacks == (0 if max_captures == 3 else sum(w != 0 for w in order))
 
 
 def test_warmup_does_not_advance_the_stream():
