@@ -5,6 +5,11 @@
       --out /tmp/fsdp                                                              # 4 GPUs
   JAX_PLATFORMS=cpu python3 -m benchmarks.llama_fsdp --rows tiny:1 tiny:2 \\
       --per-process --rounds 1 --round-steps 1 --out /tmp/fsdp     # CPU smoke: N virtual devices
+  PYTHONPATH=other:. python3 -P -m benchmarks.llama_fsdp --rows gpu:4 --gpus 4   # other/jaxgraph
+
+Another tree's jaxgraph runs only with `-P`: `python -m` puts the working directory ahead of
+PYTHONPATH, so without it the working tree's jaxgraph runs whatever PYTHONPATH says. The
+rows start with the parent's `-P`, and each records the `jaxgraph` it imported.
 
 A row `PRESET:N[:FLAGS]` is the example's preset weak-scaled to N devices: its batch times N,
 sharded over N devices with `--fsdp N` (N = 1: one device, no mesh), so every device has the
@@ -62,6 +67,7 @@ from typing import Any, Sequence
 
 import jax
 
+import jaxgraph as jg
 from benchmarks import profiling
 from examples.llama import train
 from examples.llama.data import step_batches
@@ -261,6 +267,7 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
   result["tokens_per_step"] = preset.microbatches * preset.batch * preset.context
   device = jax.devices()[0]
   result["device_kind"] = getattr(device, "device_kind", device.platform)
+  result["jaxgraph"] = jg.__file__  # which tree ran: a comparison of two trees says so
   return result
 
 
@@ -282,7 +289,11 @@ def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Na
   with tempfile.TemporaryDirectory() as scratch:
     scratch = pathlib.Path(scratch)
     result_path = scratch / "result.json"
-    base = [sys.executable, "-m", "benchmarks.llama_fsdp", "--child", str(result_path),
+    # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: a
+    # parent started with `-P` (to import another tree's jaxgraph from PYTHONPATH) starts
+    # its rows so too
+    base = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
+            "benchmarks.llama_fsdp", "--child", str(result_path),
             *(["--trace", "--trace-steps", str(options.trace_steps)] if options.trace else []),
             *(["--out", str(options.out / f"{preset}-{n}x{processes}{_slug(flags)}")]
               if options.out else []),
