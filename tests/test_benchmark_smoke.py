@@ -410,6 +410,8 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
     assert abs(float(row["ratio"]) - float(row["graphed"]) / float(row["whole"])) < 1e-3
   found = json.loads((tmp_path / "llama_fsdp.json").read_text())
   assert found[0]["collectives"]["Block[1] forward"] == {"all-gather f32": 1}  # bf16 on GPUs
+  here = os.path.realpath(os.path.join(ROOT, "jaxgraph", "__init__.py"))
+  assert [os.path.realpath(row["jaxgraph"]) for row in found] == [here, here]  # which tree ran
   assert "tiny:2" in run.stdout
 
 
