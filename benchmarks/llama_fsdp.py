@@ -171,9 +171,9 @@ def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
   for pid in sorted(profiling.gpu_processes(trace.events)):
     kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.events
                if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e]
-    comm = sorted((a, b) for a, b, name in kernels if "nccl" in name.lower())
-    compute = sorted((a, b) for a, b, name in kernels if "nccl" not in name.lower()
-                     and profiling.kernel_kind(name) != "copy")
+    comm = sorted((a, b) for a, b, name in kernels if _kernel_class(name) == "nccl")
+    compute = sorted((a, b) for a, b, name in kernels
+                     if _kernel_class(name) not in ("nccl", "copy"))
     comm_us, compute_us = profiling.union_us(comm), profiling.union_us(compute)
     busy_us = profiling.union_us(sorted(comm + compute))
     hidden = comm_us + compute_us - busy_us
@@ -191,17 +191,21 @@ def trace_summary(trace: profiling.Trace, steps: int) -> dict[str, Any]:
   return {"step_ms": round(1e3 * trace.seconds / steps, 3), "gpus": per_gpu}
 
 
+def _kernel_class(name: str) -> str:
+  """A GPU kernel's class: "nccl" for a collective, else its `profiling.kernel_kind`."""
+  return "nccl" if "nccl" in name.lower() else profiling.kernel_kind(name)
+
+
 def _kernel_time(kernels: list[tuple[float, float, str]], steps: int,
                  top: int = 15) -> dict[str, Any]:
-  """Kernel time per step (ms, summed, overlaps counted twice) by kind (`kernel_kind`,
-  NCCL apart) and for the `top` heaviest kernel names (XLA's numeric suffixes dropped, so
+  """Kernel time per step (ms, summed, overlaps counted twice) by class (`_kernel_class`)
+  and for the `top` heaviest kernel names (XLA's numeric suffixes dropped, so
   `loop_add_fusion_12` and `loop_add_fusion_3` are one), with their calls per step: what
   two steps computing the same model spend their GPU time on, side by side."""
   by_kind: dict[str, float] = collections.defaultdict(float)
   by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
   for start, end, name in kernels:
-    kind = "nccl" if "nccl" in name.lower() else profiling.kernel_kind(name)
-    by_kind[kind] += end - start
+    by_kind[_kernel_class(name)] += end - start
     entry = by_name[re.sub(r"(_\d+)+$", "", name)]
     entry[0] += end - start
     entry[1] += 1
