@@ -38,6 +38,13 @@ functions and shardings), from the same params; then:
     thread did meanwhile), and kernel time by kind and for the heaviest kernels by name
     (where a step computes longer than the other, which kernels).
 
+--clients runs each row under each of jax's GPU clients, a fresh process each: `default` (the
+StreamExecutor client, jax's default) and `tfrt` (the TFRT GPU client, a dispatch thread per
+device: `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1` in the row's environment); with --repeat K
+the rows run K times over, the clients' order reversed each time, so a row's clients
+alternate. Each row records the client it asked for and the `platform_version` the runtime
+reported.
+
 Prints a table and writes llama_fsdp.json to --out; --record writes the rows as
 docs/results/fsdp-gpu.txt's lines: the run's facts, one `key value` line each (commit,
 device, jax, xla_flags, date, command), then one `row key=value key=value ...` line per row
@@ -271,6 +278,8 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
   result["tokens_per_step"] = preset.microbatches * preset.batch * preset.context
   device = jax.devices()[0]
   result["device_kind"] = getattr(device, "device_kind", device.platform)
+  result["platform_version"] = device.client.platform_version
+  result["client_variable"] = os.environ.get(CLIENT_VARIABLE)  # what the plugin was told
   result["jaxgraph"] = jg.__file__  # which tree ran: a comparison of two trees says so
   return result
 
@@ -285,11 +294,16 @@ def row_argv(preset: str, n: int, flags: str, out: pathlib.Path, options: argpar
   return argv + (["--fsdp", str(n)] if n > 1 else [])
 
 
+# the environment variable the CUDA plugin reads when the backend starts: its GPU client
+CLIENTS = {"default": "0", "tfrt": "1"}
+CLIENT_VARIABLE = "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT"
+
+
 def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Namespace,
-           gpus: Sequence[int] | None = None) -> dict[str, Any]:
+           gpus: Sequence[int] | None = None, client: str = "default") -> dict[str, Any]:
   """Runs a row in fresh processes (`processes` = 1: one driving the n devices; n: one per
-  device, each seeing one GPU) and returns process 0's result. `gpus`: the GPUs it may see
-  (None: all, from the first)."""
+  device, each seeing one GPU) under jax's GPU `client` (`CLIENTS`) and returns process 0's
+  result. `gpus`: the GPUs it may see (None: all, from the first)."""
   with tempfile.TemporaryDirectory() as scratch:
     scratch = pathlib.Path(scratch)
     result_path = scratch / "result.json"
@@ -309,12 +323,13 @@ def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Na
     cpu = os.environ.get("JAX_PLATFORMS") == "cpu"
 
     def env(visible: Sequence[int]) -> dict[str, str]:
+      base = dict(os.environ, **{CLIENT_VARIABLE: CLIENTS[client]})
       if cpu:
         count = f" --xla_force_host_platform_device_count={len(visible)}"
-        return dict(os.environ, XLA_FLAGS=(flags + count).strip())
+        return dict(base, XLA_FLAGS=(flags + count).strip())
       if gpus is None and len(visible) == n:
-        return dict(os.environ)
-      return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, visible)))
+        return base
+      return dict(base, CUDA_VISIBLE_DEVICES=",".join(map(str, visible)))
 
     visible = list(range(n)) if gpus is None else list(gpus)
     if processes == 1:
@@ -345,7 +360,24 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-Run = tuple[str, int, str, int]  # preset, devices, the example's extra flags, processes
+# preset, devices, the example's extra flags, processes, client
+Run = tuple[str, int, str, int, str]
+
+
+def planned_runs(rows: Sequence[str], *, per_process: bool, clients: Sequence[str],
+                 repeat: int) -> list[Run]:
+  """The runs of `rows` (`PRESET:N[:FLAGS]`), in order: each row in one process (and with
+  `per_process`, N > 1, in N), under each client; all of it `repeat` times over, the
+  clients' order reversed each time, so that two clients of a row alternate."""
+  runs: list[Run] = []
+  for time_over in range(repeat):
+    order = list(clients)[::-1] if time_over % 2 else list(clients)
+    for spec in rows:
+      preset, n, *flags = spec.split(":", 2)
+      for processes in [1] + ([int(n)] if per_process and int(n) > 1 else []):
+        runs.extend((preset, int(n), flags[0] if flags else "", processes, client)
+                    for client in order)
+  return runs
 
 
 def waves(runs: list[Run], gpus: int | None) -> list[list[tuple[Run, list[int] | None]]]:
@@ -368,12 +400,12 @@ def waves(runs: list[Run], gpus: int | None) -> list[list[tuple[Run, list[int] |
 def measure(run: Run, gpus: list[int] | None, beside: int, options: argparse.Namespace
             ) -> dict[str, Any]:
   """One run of a row: its result, named, with its wall seconds."""
-  preset, n, flags, processes = run
-  print(f"row {preset}:{n} {flags}, {processes} process(es), GPUs {gpus or 'all'} ...",
-        flush=True)
+  preset, n, flags, processes, client = run
+  print(f"row {preset}:{n} {flags}, {processes} process(es), {client} client, "
+        f"GPUs {gpus or 'all'} ...", flush=True)
   begin = time.perf_counter()
-  row = {"preset": preset, "n": n, "flags": flags, "processes": processes,
-         "concurrent": beside, **launch(preset, n, flags, processes, options, gpus)}
+  row = {"preset": preset, "n": n, "flags": flags, "processes": processes, "client": client,
+         "concurrent": beside, **launch(preset, n, flags, processes, options, gpus, client)}
   row["seconds"] = round(time.perf_counter() - begin, 1)
   return row
 
@@ -408,19 +440,22 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
   for row in rows:
     if "error" in row:
       lines.append(f"row preset={row['preset']} n={row['n']} processes={row['processes']} "
-                   f"flags={_field(row['flags'])} error={_field(row['error'])}")
+                   f"flags={_field(row['flags'])} client={row['client']} "
+                   f"error={_field(row['error'])}")
       continue
     graphed, whole = (row["rates"][k] for k in ("graphed", "whole_step"))
     peaks = (f" graphed_peak_gib={row['graphed_peak_bytes'] / 2**30:.2f}"
              if row.get("graphed_peak_bytes") else "")
+    calls = "".join(f" {key}={value}" for key, value in row.get("calls", {}).items())
     lines.append(
         f"row preset={row['preset']} n={row['n']} graphed={graphed['median']:.0f} "
         f"whole={whole['median']:.0f} ratio={graphed['median'] / whole['median']:.3f} "
         f"spread={_spread(row):.1f}% processes={row['processes']} "
         f"flags={_field(row['flags'])} prefetch={'on' if row.get('prefetch') else 'off'} "
+        f"client={row['client']} runtime={_field(row.get('platform_version', ''))} "
         f"concurrent={row['concurrent']} "
         f"rounds={len(graphed['rounds'])}"
-        f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}")
+        f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}{calls}")
   return lines
 
 
@@ -446,12 +481,12 @@ def read_record(text: str) -> tuple[dict[str, str], list[dict[str, str]]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-  out = [f"{'row':<22}{'procs':>6}{'graphed tok/s':>15}{'whole tok/s':>13}{'ratio':>7}"
+  out = [f"{'row':<22}{'procs':>6}{'client':>8}{'graphed tok/s':>15}{'whole tok/s':>13}{'ratio':>7}"
          f"{'spread':>8}  trace graphed / whole: step, exposed NCCL (ms, GPU 0)"]
   for row in rows:
     name = f"{row['preset']}:{row['n']} {row['flags']}".strip()
     if "error" in row:
-      out.append(f"{name:<22}{row['processes']:>6}  {row['error']}")
+      out.append(f"{name:<22}{row['processes']:>6}{row['client']:>8}  {row['error']}")
       continue
     g, w = row["rates"]["graphed"], row["rates"]["whole_step"]
     trace = ""
@@ -460,7 +495,7 @@ def table(rows: list[dict[str, Any]]) -> str:
       trace = "  " + " / ".join(f"{row['trace'][k]['step_ms']:.1f}, "
                                 f"{first[k].get('nccl_exposed_ms', 0):.2f}"
                                 for k in ("graphed", "whole_step"))
-    out.append(f"{name:<22}{row['processes']:>6}{g['median']:>15,.0f}{w['median']:>13,.0f}"
+    out.append(f"{name:<22}{row['processes']:>6}{row['client']:>8}{g['median']:>15,.0f}{w['median']:>13,.0f}"
                f"{g['median'] / w['median']:>7.3f}{_spread(row):>7.1f}%{trace}")
   return "\n".join(out)
 
@@ -476,6 +511,12 @@ def main() -> None:
   parser.add_argument("--gpus", type=int,
                       help="run rows at once where their GPUs fit in this many (each row on "
                            "GPUs of its own; the record says how many ran together)")
+  parser.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["default"],
+                      help="run each row under each of jax's GPU clients, a fresh process "
+                           "each (tfrt: XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1)")
+  parser.add_argument("--repeat", type=int, default=1,
+                      help="run the rows this many times over, the clients' order reversed "
+                           "each time")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--round-steps", type=int, default=10)
   parser.add_argument("--trace", action="store_true", help="profile steps of both (GPU)")
@@ -491,12 +532,9 @@ def main() -> None:
     if jax.process_index() == 0:
       options.child.write_text(json.dumps(result))
     return
-  runs: list[Run] = []
-  for spec in options.rows:
-    preset, n, *flags = spec.split(":", 2)
-    for processes in [1] + ([int(n)] if options.per_process and int(n) > 1 else []):
-      runs.append((preset, int(n), flags[0] if flags else "", processes))
   rows = []
+  runs = planned_runs(options.rows, per_process=options.per_process, clients=options.clients,
+                      repeat=options.repeat)
   for wave in waves(runs, options.gpus):
     # a wave's runs at once, each on GPUs of its own
     with futures.ThreadPoolExecutor(len(wave)) as pool:
@@ -519,7 +557,8 @@ def main() -> None:
   if failed := [row for row in rows if "error" in row]:
     sys.exit(f"{len(failed)} of {len(rows)} runs failed (their output is above): "
              + "; ".join(f"{row['preset']}:{row['n']} {row['flags']} in {row['processes']} "
-                         f"process(es): {row['error']}" for row in failed))
+                         f"process(es), {row['client']} client: {row['error']}"
+                         for row in failed))
 
 
 if __name__ == "__main__":

@@ -401,10 +401,12 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   a row line per row and process layout, with the collectives of each executable."""
   record = tmp_path / "fsdp.txt"
   run = run_script("llama_fsdp", "--rows", "tiny:2", "--per-process", "--rounds", "1",
-                   "--round-steps", "1", "--out", str(tmp_path), "--record", str(record))
+                   "--round-steps", "1", "--clients", "tfrt", "--out", str(tmp_path),
+                   "--record", str(record))
   facts, rows = _module("llama_fsdp").read_record(record.read_text())
   assert list(facts) == ["commit", "device", "jax", "xla_flags", "date", "command"]
-  assert [(row["n"], row["processes"]) for row in rows] == [("2", "1"), ("2", "2")]
+  assert [(row["n"], row["processes"], row["client"]) for row in rows] == [
+      ("2", "1", "tfrt"), ("2", "2", "tfrt")]
   for row in rows:
     assert float(row["graphed"]) > 0 and float(row["whole"]) > 0
     assert abs(float(row["ratio"]) - float(row["graphed"]) / float(row["whole"])) < 1e-3
@@ -412,7 +414,22 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   assert found[0]["collectives"]["Block[1] forward"] == {"all-gather f32": 1}  # bf16 on GPUs
   here = os.path.realpath(os.path.join(ROOT, "jaxgraph", "__init__.py"))
   assert [os.path.realpath(row["jaxgraph"]) for row in found] == [here, here]  # which tree ran
+  # the client's variable reached each row's processes (the CPU backend does not read it)
+  assert [row["client_variable"] for row in found] == ["1", "1"]
   assert "tiny:2" in run.stdout
+
+
+def test_llama_fsdp_alternates_the_clients_of_each_row():
+  """--clients runs each row under each client, and --repeat reverses their order each time
+  over, so a row's clients alternate (fresh processes each)."""
+  runs = _module("llama_fsdp").planned_runs(["gpu:1", "gpu:2:--fuse 12"], per_process=True,
+                                            clients=["default", "tfrt"], repeat=2)
+  assert runs == [("gpu", 1, "", 1, "default"), ("gpu", 1, "", 1, "tfrt"),
+                  ("gpu", 2, "--fuse 12", 1, "default"), ("gpu", 2, "--fuse 12", 1, "tfrt"),
+                  ("gpu", 2, "--fuse 12", 2, "default"), ("gpu", 2, "--fuse 12", 2, "tfrt"),
+                  ("gpu", 1, "", 1, "tfrt"), ("gpu", 1, "", 1, "default"),
+                  ("gpu", 2, "--fuse 12", 1, "tfrt"), ("gpu", 2, "--fuse 12", 1, "default"),
+                  ("gpu", 2, "--fuse 12", 2, "tfrt"), ("gpu", 2, "--fuse 12", 2, "default")]
 
 
 def test_llama_fsdp_record_keeps_each_field_whole(monkeypatch):
@@ -423,11 +440,14 @@ def test_llama_fsdp_record_keeps_each_field_whole(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true --xla_dump_to=/tmp/x")
   rates = {"median": 1000.0, "spread_percent": 1.0, "rounds": [990.0, 1000.0, 1010.0]}
   done = {"preset": "gpu", "n": 4, "flags": "--fuse 4", "processes": 1, "concurrent": 2,
+          "client": "tfrt", "platform_version": "PJRT TFRT GPU",
           "rates": {"graphed": rates, "whole_step": {**rates, "median": 1250.0}},
           "graphed_peak_bytes": 2**31, "whole_planned_peak_bytes": 2**32,
-          "device_kind": "NVIDIA H200"}
+          "device_kind": "NVIDIA H200",
+          "calls": {"block_forward_us": 101.5, "block_backward_us": 99.0}}
   failed = {"preset": "gpu", "n": 4, "flags": "", "processes": 4, "concurrent": 1,
-            "error": "exit codes -6,0,0,0", "log": "Fatal Python error: Aborted"}
+            "client": "default", "error": "exit codes -6,0,0,0",
+            "log": "Fatal Python error: Aborted"}
   lines = llama_fsdp.record_lines([done, failed], "python3 llama_fsdp.py --rows 'gpu:4:--fuse 4'",
                                   commit="abc")
   facts, rows = llama_fsdp.read_record("\n".join(lines) + "\n")
@@ -438,10 +458,12 @@ def test_llama_fsdp_record_keeps_each_field_whole(monkeypatch):
                    "command": "python3 llama_fsdp.py --rows 'gpu:4:--fuse 4'"}
   assert rows[0] == {"preset": "gpu", "n": "4", "graphed": "1000", "whole": "1250",
                      "ratio": "0.800", "spread": "1.0%", "processes": "1", "flags": "--fuse_4",
-                     "prefetch": "off", "concurrent": "2", "rounds": "3", "graphed_peak_gib": "2.00",
-                     "whole_planned_gib": "4.00"}
+                     "prefetch": "off", "client": "tfrt", "runtime": "PJRT_TFRT_GPU",
+                     "concurrent": "2", "rounds": "3", "graphed_peak_gib": "2.00",
+                     "whole_planned_gib": "4.00", "block_forward_us": "101.5",
+                     "block_backward_us": "99.0"}
   assert rows[1] == {"preset": "gpu", "n": "4", "processes": "4", "flags": "-",
-                     "error": "exit_codes_-6,0,0,0"}
+                     "client": "default", "error": "exit_codes_-6,0,0,0"}
   # The line the earlier format wrote for a failed row: its error's spaces split it.
   with pytest.raises(ValueError, match=r"row fields without '=' \['codes', '\[1,', \"0\]'\"\]"):
     llama_fsdp.read_record("row preset=tiny n=2 processes=2 flags=- error='exit codes [1, 0]'")
