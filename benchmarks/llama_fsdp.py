@@ -42,8 +42,7 @@ functions and shardings), from the same params; then:
 StreamExecutor client, jax's default) and `tfrt` (the TFRT GPU client, a dispatch thread per
 device: `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1` in the row's environment); with --repeat K
 the rows run K times over, the clients' order reversed each time, so a row's clients
-alternate. Each row records the client it asked for and the `platform_version` the runtime
-reported.
+alternate. Each row records the client it asked for.
 
 Prints a table and writes llama_fsdp.json to --out; --record writes the rows as
 docs/results/fsdp-gpu.txt's lines: the run's facts, one `key value` line each (commit,
@@ -278,8 +277,8 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
   result["tokens_per_step"] = preset.microbatches * preset.batch * preset.context
   device = jax.devices()[0]
   result["device_kind"] = getattr(device, "device_kind", device.platform)
-  result["platform_version"] = device.client.platform_version
-  result["client_variable"] = os.environ.get(CLIENT_VARIABLE)  # what the plugin was told
+  # what the CUDA plugin was told (both clients report the same platform_version)
+  result["client_variable"] = os.environ.get(CLIENT_VARIABLE)
   result["jaxgraph"] = jg.__file__  # which tree ran: a comparison of two trees says so
   return result
 
@@ -452,7 +451,7 @@ def record_lines(rows: list[dict[str, Any]], command: str, commit: str | None) -
         f"whole={whole['median']:.0f} ratio={graphed['median'] / whole['median']:.3f} "
         f"spread={_spread(row):.1f}% processes={row['processes']} "
         f"flags={_field(row['flags'])} prefetch={'on' if row.get('prefetch') else 'off'} "
-        f"client={row['client']} runtime={_field(row.get('platform_version', ''))} "
+        f"client={row['client']} "
         f"concurrent={row['concurrent']} "
         f"rounds={len(graphed['rounds'])}"
         f"{peaks} whole_planned_gib={row['whole_planned_peak_bytes'] / 2**30:.2f}{calls}")
