@@ -140,14 +140,22 @@ def _orbax_late_errors(record: logging.LogRecord) -> bool:
   return record.levelno < logging.ERROR or not _from_orbax(record.pathname)
 
 
+# the suffix of the folder Orbax writes a step into before renaming it (its
+# `atomicity_types.TMP_DIR_SUFFIX`): named in each error of a write into it
+ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
 def _orbax_future_records(record: logging.LogRecord) -> bool:
-  """False (dropped) for asyncio's record of a never-retrieved exception raised in Orbax's
-  code (its failed writes, reported by the save that failed)."""
+  """False (dropped) for asyncio's record of a never-retrieved exception of Orbax's writes
+  (reported by the save that failed): raised in Orbax's code, or by tensorstore (no Orbax
+  frame in its traceback) about a file in Orbax's temporary step folder."""
   first = str(record.msg).split("\n", 1)[0]  # "Task exception was never retrieved", ...
   if not first.endswith("exception was never retrieved") or not record.exc_info:
     return True
   error = record.exc_info[1]
   while error is not None:
+    if ORBAX_TMP_SUFFIX in str(error):
+      return False
     for frame, _ in traceback.walk_tb(error.__traceback__):
       if _from_orbax(frame.f_code.co_filename):
         return False

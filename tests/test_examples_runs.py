@@ -277,6 +277,29 @@ def test_orbax_errors_logged_after_a_failed_save_are_dropped_and_others_kept(mon
   assert logged(logging.ERROR, os.path.join(os.sep, "work", "examples", "checkpoints.py"))
 
 
+def test_never_retrieved_errors_of_orbax_writes_are_dropped_and_others_kept():
+  """asyncio logs each failed write's future when it is collected ("Future exception was
+  never retrieved"): dropped where Orbax's code raised it, or tensorstore (no Orbax frame)
+  about a file in Orbax's temporary step folder, as in the full-disk run above once; kept
+  for any other error, and for every other record."""
+  def never_retrieved(error: BaseException) -> logging.LogRecord:
+    return logging.LogRecord("asyncio", logging.ERROR, "asyncio/base_events.py", 1,
+                             "Future exception was never retrieved\nfuture: <Future ...>",
+                             None, (type(error), error, None))
+
+  tensorstore = ValueError("RESOURCE_EXHAUSTED: Error writing local file "
+                           "\"/disk/checkpoints/20.orbax-checkpoint-tmp-17/default/d/0\": "
+                           "[OS error: No space left on device]")
+  assert not checkpoint_checks._orbax_future_records(never_retrieved(tensorstore))
+  wrapped = RuntimeError("the write failed")
+  wrapped.__cause__ = tensorstore
+  assert not checkpoint_checks._orbax_future_records(never_retrieved(wrapped))
+  other = ValueError("RESOURCE_EXHAUSTED: Error writing local file \"/data/shard-3\"")
+  assert checkpoint_checks._orbax_future_records(never_retrieved(other))
+  plain = logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, str(tensorstore), None, None)
+  assert checkpoint_checks._orbax_future_records(plain)
+
+
 def test_ctrl_c_inside_a_write_waits_for_it():
   """examples/interrupt.py's handler: Ctrl-C inside `held()` (a save, metrics.json) is raised
   when the write is done; elsewhere at once (the runs above: `_interrupted`)."""

@@ -509,11 +509,20 @@ def test_pipeline_example_trains_over_two_devices_like_one_and_ctrl_c_ends_it_in
   assert len(losses) == 4 and losses[1] < losses[0]
 
 
-def test_linen_mlp_trains_and_ctrl_c_ends_it_in_one_line(capsys, env):
-  args = _ctrl_c("examples.linen_mlp", env, ["--steps", "30"],
+LINEN_ARGS = ["--steps", "30"]
+
+
+@pytest.mark.cpu_only
+def test_linen_mlp_ctrl_c_ends_it_in_one_line(env):
+  """What Ctrl-C does is the example's, not the device's: its runs are on the CPU."""
+  args = _ctrl_c("examples.linen_mlp", {**env, "JAX_PLATFORMS": "cpu"}, LINEN_ARGS,
                  ("capture", f"capture: {NOTHING_KEPT}"),
                  ("training@2", f"training (step 2): {NOTHING_KEPT}"))
+  assert args == LINEN_ARGS
+
+
+def test_linen_mlp_trains(capsys):
   linen_mlp = importlib.import_module("examples.linen_mlp")
-  result = linen_mlp.main(args)  # in this process: no jax start-up
+  result = linen_mlp.main(LINEN_ARGS)  # in this process: no jax start-up
   assert result["losses"][-1] < result["losses"][0]
   assert "cache hits 1" in capsys.readouterr().out  # the blocks share one capture
