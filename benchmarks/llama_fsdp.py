@@ -49,7 +49,9 @@ docs/results/fsdp-gpu.txt's lines: the run's facts, one `key value` line each (c
 device, jax, xla_flags, date, command), then one `row key=value key=value ...` line per row
 and process layout, no value holding a space (`read_record` reads them back). A row whose
 processes failed is recorded as `row ... error=...`, its processes' output printed to
-stderr, and the script exits with status 1 after the other rows.
+stderr, and the script exits with status 1 after the other rows. With --row-timeout S a row
+still running after S seconds is killed and recorded so (`error=killed_after_S_s_...`): jax's
+TFRT client's whole step hung on 4 GPUs at its first step, and would hold up every row after.
 """
 
 from __future__ import annotations
@@ -341,12 +343,32 @@ def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Na
       envs = [env([gpu]) for gpu in visible]  # one GPU each
     procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for c, e in zip(commands, envs)]
-    logs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs) or not result_path.exists():
+    logs, hung = finish(procs, options.row_timeout)
+    if hung or any(p.returncode for p in procs) or not result_path.exists():
       tail = "\n".join(log[-3000:] for log in logs)
       codes = ",".join(str(p.returncode) for p in procs)
-      return {"error": f"exit codes {codes}", "log": tail}
+      error = (f"killed after {options.row_timeout:g} s (a hang?), exit codes {codes}" if hung
+               else f"exit codes {codes}")
+      return {"error": error, "log": tail}
     return json.loads(result_path.read_text())
+
+
+def finish(procs: Sequence[subprocess.Popen], timeout: float | None
+           ) -> tuple[list[str], bool]:
+  """Each process's output, and whether `timeout` seconds passed before all had ended: then
+  every one still running was killed (a collective that never completes waits forever)."""
+  deadline = None if timeout is None else time.monotonic() + timeout
+  logs, hung = [], False
+  for proc in procs:
+    try:
+      left = None if deadline is None or hung else max(0.0, deadline - time.monotonic())
+      logs.append(proc.communicate(timeout=left)[0])
+    except subprocess.TimeoutExpired:
+      hung = True
+      for other in procs:
+        other.kill()
+      logs.append(proc.communicate()[0])
+  return logs, hung
 
 
 def _slug(flags: str) -> str:
@@ -516,6 +538,9 @@ def main() -> None:
   parser.add_argument("--repeat", type=int, default=1,
                       help="run the rows this many times over, the clients' order reversed "
                            "each time")
+  parser.add_argument("--row-timeout", type=float,
+                      help="kill a row's processes after this many seconds and record it as "
+                           "an error (a hang), then go on with the other rows")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--round-steps", type=int, default=10)
   parser.add_argument("--trace", action="store_true", help="profile steps of both (GPU)")

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -420,6 +421,26 @@ def test_llama_fsdp_tiny_records_each_row(run_script, tmp_path):
   # the client's variable reached each row's processes (the CPU backend does not read it)
   assert [row["client_variable"] for row in found] == ["1", "1"]
   assert "tiny:2" in run.stdout
+
+
+def test_llama_fsdp_kills_a_row_that_hangs_and_keeps_what_it_printed():
+  """--row-timeout: a row's processes still running past it are killed, each one's output
+  kept; processes that end in time are waited for."""
+  finish = _module("llama_fsdp").finish
+
+  def start(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+  began = time.monotonic()
+  procs = [start("print('done')"), start("import time; print('waiting', flush=True); "
+                                          "time.sleep(60)")]
+  logs, hung = finish(procs, timeout=5)
+  assert hung and time.monotonic() - began < 30
+  assert logs[0].strip() == "done" and logs[1].strip() == "waiting"
+  assert procs[0].returncode == 0 and procs[1].returncode != 0  # killed
+  logs, hung = finish([start("print('in time')")], timeout=60)
+  assert not hung and logs == ["in time\n"]
 
 
 def test_llama_fsdp_alternates_the_clients_of_each_row():
