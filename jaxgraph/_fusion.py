@@ -114,7 +114,7 @@ def _joins(first: graphed_lib.GraphedCallable, layer: graphed_lib.GraphedCallabl
           and layer.offloader.enabled == first.offloader.enabled)
 
 
-class FusedSegment(graphed_lib.GraphedCallable):
+class FusedSegment(graphed_lib.LayerGroup):
   """Adjacent layers replayed as one forward and one backward executable.
 
   With `delay_wgrad=True` layers the chain's backward is split as a layer's is
@@ -130,16 +130,9 @@ class FusedSegment(graphed_lib.GraphedCallable):
 
   def __init__(self, layers: Sequence[graphed_lib.GraphedCallable]):
     first = layers[0]
-    self._layers = tuple(layers)
     chain = Composed(tuple(layer.fn for layer in layers), remat_policy=first.config.remat_policy)
-    super().__init__(chain, first.index, first.config,
-                     hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
-                     offload=first.offloader.enabled,
+    super().__init__(layers, chain, offload=first.offloader.enabled,
                      name=f"fused({first.name}..{layers[-1].name})")
-
-  @property
-  def n_keys(self) -> int:
-    return len(self._layers) if self.config.rng else 0
 
   @property
   def remat_policy(self) -> None:
@@ -166,16 +159,6 @@ class FusedSegment(graphed_lib.GraphedCallable):
         n_first:n_first + len(jax.tree.leaves(x))]
     flags += [False] * len(jax.tree.leaves(consts))
     return pullback_lib.differentiated_leaves(signature, flags)
-
-  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None,
-                    taken: Sequence[tuple[Any, Any, Any]] | None = None) -> list[jax.Array]:
-    return [value for i, layer in enumerate(self._layers)
-            for value in layer.stream_inputs(stream, None if taken is None
-                                             else taken[i:i + 1])]
-
-  def advance(self, counters: list[jax.Array]) -> None:
-    for layer, counter in zip(self._layers, counters):
-      layer.advance([counter])
 
   def exclusive(self) -> Any:
     acquired = []
@@ -215,11 +198,6 @@ class FusedSegment(graphed_lib.GraphedCallable):
       return self.forward(args, leaves, treedef, None if keys is None else tuple(keys),
                           phase="replay", iteration=self.counts.replays, microbatch=0,
                           with_pullback=True, signature=signature)
-
-  def count_replay(self, *, backward: bool) -> None:
-    super().count_replay(backward=backward)
-    for layer in self._layers:
-      layer.count_replay(backward=backward)
 
 
 class _ReleaseAll:

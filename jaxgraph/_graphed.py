@@ -448,6 +448,38 @@ class GraphedCallable:
     return result
 
 
+class LayerGroup(GraphedCallable):
+  """Adjacent layers replayed as one step (a fused segment, a prefetching step): `fn` runs
+  them all, each on its own key stream and counter, so a group's replay draws what the
+  layers would one by one. Replays are counted on the group and on every layer."""
+
+  def __init__(self, layers: Sequence[GraphedCallable], fn: Callable[..., Any], *,
+               offload: bool, name: str):
+    first = layers[0]
+    self._layers = tuple(layers)
+    super().__init__(fn, first.index, first.config, hooks=hooks_lib.NO_HOOKS,
+                     capture_time_hooks=hooks_lib.NO_HOOKS, offload=offload, name=name)
+
+  @property
+  def n_keys(self) -> int:
+    return len(self._layers) if self.config.rng else 0
+
+  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None,
+                    taken: Sequence[tuple[Any, Any, Any]] | None = None) -> list[jax.Array]:
+    return [value for i, layer in enumerate(self._layers)
+            for value in layer.stream_inputs(stream, None if taken is None
+                                             else taken[i:i + 1])]
+
+  def advance(self, counters: list[jax.Array]) -> None:
+    for layer, counter in zip(self._layers, counters):
+      layer.advance([counter])
+
+  def count_replay(self, *, backward: bool) -> None:
+    super().count_replay(backward=backward)
+    for layer in self._layers:
+      layer.count_replay(backward=backward)
+
+
 def _beside(args: tuple[Any, ...], values: list[jax.Array]) -> list[jax.Array]:
   """`values` replicated on the devices of the first committed array of `args`, where they
   are elsewhere: a key the fallback's jit derives from them must sit with its arguments (a

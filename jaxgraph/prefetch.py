@@ -157,7 +157,7 @@ class Prefetching:
     return y if upcoming is None else (y, gather(upcoming))
 
 
-class PrefetchStep(graphed_lib.GraphedCallable):
+class PrefetchStep(graphed_lib.LayerGroup):
   """A layer, or a fused segment of adjacent layers, replayed as one `Prefetching` step of a
   prefetching chain: the layers' functions, key streams and counters, its executables traced
   on the Explicit twin of their FSDP mesh. Captures and compiles are counted on the first
@@ -166,7 +166,6 @@ class PrefetchStep(graphed_lib.GraphedCallable):
   def __init__(self, layers: Sequence[graphed_lib.GraphedCallable], *, own: bool,
                twin: explicit_lib.Twin):
     first = layers[0]
-    self._layers = tuple(layers)
     self._twin_mesh = twin
     if len(layers) == 1:
       fn, name = first.fn, first.name
@@ -174,18 +173,12 @@ class PrefetchStep(graphed_lib.GraphedCallable):
       fn = fusion_lib.Composed(tuple(layer.fn for layer in layers),
                                remat_policy=first.config.remat_policy)
       name = f"{first.name}..{layers[-1].name}"
-    super().__init__(Prefetching(fn, own), first.index, first.config,
-                     hooks=hooks_lib.NO_HOOKS, capture_time_hooks=hooks_lib.NO_HOOKS,
-                     offload=False, name=f"prefetch({name})")
+    super().__init__(layers, Prefetching(fn, own), offload=False, name=f"prefetch({name})")
 
   @property
   def layers(self) -> tuple[graphed_lib.GraphedCallable, ...]:
     """The layers this step replays, in order."""
     return self._layers
-
-  @property
-  def n_keys(self) -> int:
-    return len(self._layers) if self.config.rng else 0
 
   @property
   def remat_policy(self) -> Callable[..., bool] | None:
@@ -231,20 +224,6 @@ class PrefetchStep(graphed_lib.GraphedCallable):
         signature, own + upcoming_flags + first[n_first:]
         + [False] * len(jax.tree.leaves(consts)))
 
-  def stream_inputs(self, stream: tuple[jax.Array, jax.Array] | None,
-                    taken: Sequence[tuple[Any, Any, Any]] | None = None) -> list[jax.Array]:
-    return [value for i, layer in enumerate(self._layers)
-            for value in layer.stream_inputs(stream, None if taken is None
-                                             else taken[i:i + 1])]
-
-  def advance(self, counters: list[jax.Array]) -> None:
-    for layer, counter in zip(self._layers, counters):
-      layer.advance([counter])
-
-  def count_replay(self, *, backward: bool) -> None:
-    super().count_replay(backward=backward)
-    for layer in self._layers:
-      layer.count_replay(backward=backward)
 
 
 def steps_of(layer: graphed_lib.GraphedCallable) -> list[PrefetchStep]:
