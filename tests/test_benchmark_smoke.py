@@ -532,7 +532,55 @@ def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
     assert sum(runs[exe] * count(name, exe, "all-gather") for exe in variants[name]["collectives"]
                ) == gathers, name
     assert sum(runs[exe] for exe in variants[name]["collectives"]) == variants[name]["calls"]
+    assert variants[name]["runs"] == {exe: runs[exe] for exe in variants[name]["collectives"]}
+    assert variants[name]["collectives_per_step"]["all-gather"] == gathers, name
   assert variants["prefetch"]["calls"] == variants["prefetch-keep"]["calls"] == 2 * layers + 2
+
+
+def test_fsdp_prefetch_tiny_keeps_gathered_weights_across_microbatches(run_script, tmp_path):
+  """fsdp_prefetch.py with 2 microbatches a step: the whole step gathers each layer once a
+  step and reduce-scatters each microbatch's gradient; prefetch gathers again in every
+  microbatch; prefetch-step keeps every layer's gathered weights for the step (its later
+  microbatches' forwards gather nothing), bitwise the whole step on the CPU; prefetch-step-sum
+  also sums the unreduced gradients and reduce-scatters them once a step (other rounding)."""
+  run_script("probes.fsdp_prefetch", "--tiny", "--microbatches", "2", "--variants", "prefetch",
+             "prefetch-step", "prefetch-step-sum", "--out", str(tmp_path), devices=4)
+  result = json.loads((tmp_path / "fsdp_prefetch.json").read_text())
+  variants = result["variants"]
+  assert list(variants) == ["whole", "prefetch", "prefetch-step", "prefetch-step-sum"]
+  assert result["correct"]
+  for name, r in variants.items():
+    assert r["correct"]["ok"] and r["step_ms"]["median"] > 0, name
+    assert r["correct"]["bitwise"] or name == "prefetch-step-sum", (name, r["correct"])
+  layers, microbatches = result["meta"]["size"]["layers"], result["meta"]["size"]["microbatches"]
+  assert microbatches == 2 and result["meta"]["size"]["tokens"] % microbatches == 0
+
+  def per_step(name, op):  # from each executable's HLO times its calls in a step
+    r = variants[name]
+    found = sum(r["runs"][exe] * v["count"] for exe, by_type in r["collectives"].items()
+                for k, v in by_type.items() if k.split()[0] == op)
+    assert r["collectives_per_step"].get(op, 0) == found, (name, op)
+    return found
+
+  assert [(per_step(name, "all-gather"), per_step(name, "reduce-scatter"))
+          for name in variants] == [
+      (layers, layers * microbatches),  # whole: gathered once a step, reduced per microbatch
+      (microbatches * (2 * layers - 1), layers * microbatches),  # prefetch: each microbatch's
+      (layers, layers * microbatches),  # prefetch-step: as whole
+      (layers, layers)]  # prefetch-step-sum: reduced once a step
+  for name, r in variants.items():
+    assert sum(r["runs"].values()) == r["calls"], name
+  # the later microbatches' forwards take the kept gathered weights
+  for name in ("prefetch-step", "prefetch-step-sum"):
+    forward = variants[name]["collectives"]["forward"]
+    assert not any(k.startswith("all-gather") for k in forward), name
+    assert variants[name]["runs"]["forward"] == 1 + (microbatches - 1) * layers, name
+  layer_bytes = result["meta"]["padded_per_layer"] * jax.numpy.dtype(jax.numpy.bfloat16).itemsize
+  alive = {name: r["peak_alive"] for name, r in variants.items()}
+  assert [alive[name]["gathered_layers"] for name in variants] == [layers, 2, layers, layers]
+  assert alive["prefetch-step"]["gathered_bytes"] == layers * layer_bytes
+  assert alive["prefetch-step-sum"]["grad_sum_layers"] == layers
+  assert "grad_sum_layers" not in alive["prefetch-step"]
 
 
 def test_fsdp_prefetch_reads_async_collectives_from_gpu_hlo():

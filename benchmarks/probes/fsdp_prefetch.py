@@ -17,10 +17,14 @@ in bfloat16), RMSnorm without scales. A block is `x + o(q * tile(sigmoid(k) * v)
 matmul of the real block, attention's own FLOPs (QK^T, PV: about 8% of a 1B block's at
 context 2048) left out, so there is less compute to hide the collectives under than in the
 real model (a conservative test). Activations are [tokens, width] bfloat16, `--tokens` per
-device (weak scaling: the global batch is tokens x devices, sharded along it; the example's
-step runs its 8,192 tokens per GPU as 2 microbatches, here 1). Loss: sum of the output's
-squares over the global token count. A step is the forward and backward of the stack: the
-loss, each layer's sharded float32 gradient and the stack input's gradient; no optimizer.
+device a step (weak scaling: the global batch is tokens x devices, sharded along it), run as
+`--microbatches` M microbatches of tokens / M each (default 1; the example's step runs its
+8,192 tokens per GPU as 2 microbatches: `--microbatches 2`). A microbatch's loss: the sum of
+its output's squares over the step's global token count, so that the step's loss is the sum
+of its microbatches' (the mean over the step's tokens) and its gradients the sum of theirs,
+summed in microbatch order as the example's accumulation does. A step is the forward and
+backward of the stack for each microbatch in turn: the loss, each layer's sharded float32
+gradient and each microbatch's input gradient; no optimizer.
 
 Parameters: per layer ONE flat float32 buffer (all weights concatenated, zero-padded to a
 multiple of the device count), sharded along a 1-D mesh "fsdp" over all devices. A gather
@@ -29,16 +33,21 @@ the gathered bfloat16 buffer is reduce-scattered in bfloat16, then cast to float
 autodiff of the gather gives). Everything runs in `jax.shard_map`.
 
 Variants (each compiled ahead of time; the per-layer ones driven by a Python loop):
-  whole           one `jax.jit` of `jax.value_and_grad` of the step; XLA schedules everything
-                  and keeps what it likes for the backward (on the CPU and on 4 H100s: each
-                  gathered layer from the forward, one gather per layer, `layers` a step). The
-                  reference of the ratios and the gradients.
+  whole           one `jax.jit` of the step: each microbatch's `jax.value_and_grad` in turn
+                  (a Python loop inside the jit, as the example's step), summed; XLA schedules
+                  everything and keeps what it likes for the backward (on the CPU and on 4
+                  H100s: each gathered layer from the forward, one gather per layer, `layers`
+                  a step). With M microbatches XLA merges the microbatches' gathers of a layer
+                  (CSE): still `layers` gathers a step, each gathered layer kept for the whole
+                  step, and it reduce-scatters each microbatch's gradient, `layers x M` a step
+                  (on the CPU). The reference of the ratios and the gradients.
   whole-regather  one executable again, with the split variants' residuals: the backward of
                   each layer gathers its weights again, as the split variants do (2 gathers
                   a layer). XLA merges a re-gather of the same shard with the forward's, even
                   under `jax.checkpoint`'s CSE barrier, so the step takes the shards twice
                   (the same buffers) and the backward gathers from the second
-                  (`regathering`). The bound on what prefetching can reach.
+                  (`regathering`). The bound on what prefetching can reach. With M
+                  microbatches, still 2 gathers a layer a step (merged across microbatches).
   per-layer       one forward executable `fwd(shard, x) -> (y, residuals)` (gather inside)
                   and one backward `bwd(shard, x, residuals, ct) -> (ct_x, grad_shard)`
                   (gather again, reduce-scatter the gradient inside), shared by every layer.
@@ -80,6 +89,34 @@ Variants (each compiled ahead of time; the per-layer ones driven by a Python loo
                   prefetch (2 x layers - 1 gathers) it separates the cost of the re-gathers
                   from that of splitting the step into executables (the numbers on 4 H100s:
                   docs/fsdp.md, "What each lever gave").
+With M microbatches the split variants above run each microbatch's forward and backward in
+turn, as with one: per-layer, prefetch and prefetch-keep gather M times what they gather with
+one (prefetch M x (2 x layers - 1), prefetch-keep M x layers), where the whole step gathers
+once. Microbatches 2..M call `_acc` copies of the executables that reduce-scatter (the backward,
+`backward_prefetch`/`backward_reduce`, `backward_bottom`), which add the reduced gradients to
+the earlier microbatches' sums, and `loss_acc`, which adds the loss to theirs. Two variants keep
+the gathered weights across microbatches (with --microbatches 2 or more only):
+  prefetch-step   prefetch-keep's first microbatch, but every layer's gathered weights are kept
+                  for the whole step: microbatches 2..M gather nothing (every layer's forward
+                  is the top's executable, `forward`, on the kept weights), and each
+                  microbatch's backward still reduce-scatters that microbatch's gradients (the
+                  handed-over one of the layer above, and in layer 0's backward its own, into
+                  the `_acc` sums): the whole step's math and collectives, `layers` gathers
+                  and `layers x M` reduce-scatters a step. On the CPU its gradients are
+                  bitwise the whole step's (with 3 microbatches the loss differs in its last
+                  bit: XLA sums the whole step's three losses otherwise). Keeps every layer's
+                  gathered weights from the first forward to the last backward, as the whole
+                  step does.
+  prefetch-step-sum  the weights kept as in prefetch-step, but the microbatches' unreduced
+                  gradients are summed in float32 (`backward_sum_first`, `backward_sum`: no
+                  collectives) and the sum, cast to bfloat16, reduce-scattered once a step in the
+                  last microbatch's backward as prefetch hands them over: `layers` gathers and
+                  `layers` reduce-scatters a step, M times fewer reduce-scatters of the same
+                  size. Not the whole step's math (one bfloat16 rounding of the sum instead of
+                  M of the parts: 0.3% from whole on the CPU), so checked within --tolerance.
+                  The cost is memory: every layer's float32 unreduced sum alive besides the
+                  kept weights (3 x a gathered layer's bytes a layer; 189 MB a layer per
+                  device at the 1B sizes).
 
 Residuals (every split variant): `jax.vjp` of the layer under `jax.checkpoint` with
 `dots_with_no_batch_dims_saveable` (the matmul outputs are kept: q, k, v, the attention
@@ -95,12 +132,14 @@ Correctness: every run compares each variant's loss, layer gradients and input g
 with `whole`'s, array by array: the max abs difference, the relative difference (the norm
 of the difference over the reference's norm; the largest over the arrays is the criterion)
 and whether every bit is equal. It exits nonzero, before timing, when a variant's relative
-difference passes `--tolerance` (0.1). The variants run the same ops on the same values,
-but XLA may round a bfloat16 intermediate at other points in another executable (it keeps
-values in float32 inside a fusion: `--xla_allow_excess_precision`, on by default), and on
-a GPU each executable autotunes its own matmul kernels. On the CPU (4 tiny layers)
-whole-regather, per-layer, prefetch and prefetch-keep come out bitwise equal to whole and per-layer-2
-differs by 1% (bitwise too with `--xla_allow_excess_precision=false`); 22 tiny layers, 2%.
+difference passes `--tolerance` (0.1). The variants run the same ops on the same values
+(prefetch-step-sum excepted: above), but XLA may round a bfloat16 intermediate at other
+points in another executable (it keeps values in float32 inside a fusion:
+`--xla_allow_excess_precision`, on by default), and on a GPU each executable autotunes its
+own matmul kernels. On the CPU (4 tiny layers) whole-regather, per-layer, prefetch and
+prefetch-keep come out bitwise equal to whole and per-layer-2 differs by 1% (bitwise too with
+`--xla_allow_excess_precision=false`); 22 tiny layers, 2%. With 2 microbatches the same, and
+prefetch-step bitwise too, prefetch-step-sum 0.3% off.
 A variant wired wrong differs by far more (prefetch with layers 0 and 1's gradients
 swapped: 150%). The output projections are initialized scaled by
 1/sqrt(2 x layers) (GPT-2's init), so rounding differences are not amplified from layer to
@@ -109,7 +148,13 @@ layer.
 Reports: per variant the step's median ms over `--rounds` rounds of `--steps` steps (the
 variants alternate, the order reversed every other round, after `--warmup` steps each),
 the spread ((max - min) / median), the ratio to `whole` (its step time over the variant's:
-tokens/s over whole's, as docs/fsdp.md gives them) and the executable calls per step;
+tokens/s over whole's, as docs/fsdp.md gives them), the executable calls per step (`calls`;
+`runs`: per executable, counted in the first step), the collectives a step by op
+(`collectives_per_step`: each executable's below times its calls a step) and `peak_alive`:
+the most gathered layers alive at once per device besides the residuals and their bytes (a
+layer's padded bfloat16 buffer each; from the step's structure: per-layer 1, per-layer-2 2,
+prefetch 2, the others every layer; the whole step's `layers` when it gathers once a layer
+a step, else null: XLA's choice), with prefetch-step-sum its float32 sums' too;
 per compiled executable its collectives from `as_text()`: count by op and element type, how
 many are asynchronous (`all-gather-start`, or an `async-start` wrapping the collective),
 how many of those XLA marked `is_sync` (run in line after all) and, for each asynchronous
@@ -134,6 +179,12 @@ smoke run (seconds):
   XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu PYTHONPATH=. \\
       python3 -m benchmarks.probes.fsdp_prefetch --tiny --out /tmp/prefetch
 
+and with the example's 2 microbatches a step (adds prefetch-step and prefetch-step-sum):
+
+  python3 -m benchmarks.probes.fsdp_prefetch --microbatches 2 --out /tmp/prefetch-m2
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu PYTHONPATH=. \\
+      python3 -m benchmarks.probes.fsdp_prefetch --tiny --microbatches 2 --out /tmp/prefetch-m2
+
 The GPU commands use every GPU JAX sees (4 in the measurement docs/fsdp.md compares with;
 CUDA_VISIBLE_DEVICES picks them).
 """
@@ -141,6 +192,7 @@ CUDA_VISIBLE_DEVICES picks them).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
@@ -162,17 +214,24 @@ AXIS = "fsdp"
 COMPUTE = jnp.bfloat16
 POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 VARIANTS = ("whole", "whole-regather", "per-layer", "per-layer-2", "prefetch", "prefetch-keep")
+STEP_VARIANTS = ("prefetch-step", "prefetch-step-sum")  # with --microbatches 2 or more only
 
 
 @dataclasses.dataclass(frozen=True)
 class Size:
-  """The stack's shape; `tokens` per device."""
+  """The stack's shape; `tokens` per device a step, run as `microbatches` microbatches."""
 
   width: int
   kv_width: int
   hidden: int
   layers: int
   tokens: int
+  microbatches: int = 1
+
+  @property
+  def microbatch_tokens(self) -> int:
+    """Tokens per device a microbatch."""
+    return self.tokens // self.microbatches
 
 
 LLAMA_1B = Size(width=2048, kv_width=1024, hidden=5632, layers=22, tokens=8192)
@@ -229,7 +288,19 @@ class Model:
 
   @property
   def x_spec(self) -> jax.ShapeDtypeStruct:
-    return self.spec((self.n * self.size.tokens, self.size.width), COMPUTE)
+    """A microbatch's input (or activations)."""
+    return self.spec((self.n * self.size.microbatch_tokens, self.size.width), COMPUTE)
+
+  @property
+  def full_sum_spec(self) -> jax.ShapeDtypeStruct:
+    """A layer's unreduced gradient summed over microbatches in float32, as `gathered_spec`."""
+    return self.spec((self.n, self.padded), jnp.float32)
+
+  def loss(self, y: jax.Array) -> jax.Array:
+    """A microbatch's loss: the sum of its output's squares over the step's global token
+    count. A step's loss is the sum over its microbatches (the mean over its tokens), and
+    its gradient the sum of theirs."""
+    return jnp.sum(jnp.square(y.astype(jnp.float32))) / (y.shape[0] * self.size.microbatches)
 
   def unflatten(self, flat: jax.Array) -> dict[str, jax.Array]:
     out, offset = {}, 0
@@ -253,8 +324,8 @@ class Model:
   def layer_from_shard(self, shard: jax.Array, x: jax.Array) -> jax.Array:
     return self.layer_from_gathered(gather(shard), x)
 
-  def init(self, seed: int) -> tuple[list[jax.Array], jax.Array]:
-    """The layers' float32 shards and the stack's input, made on the devices."""
+  def init(self, seed: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The layers' float32 shards and each microbatch's input, made on the devices."""
     # the branches' output projections scaled by 1/sqrt(2 x layers) (GPT-2's init): the
     # residual stream stays near the input, and bfloat16 rounding differences between the
     # variants are not amplified from layer to layer
@@ -267,12 +338,13 @@ class Model:
                for k, (name, shape) in zip(keys, self.shapes)]
       return jnp.concatenate([*parts, jnp.zeros(self.padded - self.weights, jnp.float32)])
 
-    keys = jax.random.split(jax.random.key(seed), self.size.layers + 1)
+    microbatches = self.size.microbatches
+    keys = jax.random.split(jax.random.key(seed), self.size.layers + microbatches)
     make = jax.jit(shard, out_shardings=self.sharding)
-    shards = [make(k) for k in keys[1:]]
-    x = jax.jit(lambda k: jax.random.normal(k, self.x_spec.shape, COMPUTE),
-                out_shardings=self.sharding)(keys[0])
-    return shards, x
+    shards = [make(k) for k in keys[microbatches:]]
+    make_x = jax.jit(lambda k: jax.random.normal(k, self.x_spec.shape, COMPUTE),
+                     out_shardings=self.sharding)
+    return shards, [make_x(k) for k in keys[:microbatches]]
 
 
 def rms_norm(x: jax.Array) -> jax.Array:
@@ -290,10 +362,6 @@ def reduce(full: jax.Array) -> jax.Array:
   """One device's unreduced bfloat16 gradient of the whole layer -> its float32 shard of the
   sum over devices (what autodiff of `gather` does: reduce-scatter, then cast)."""
   return jax.lax.psum_scatter(full, AXIS, scatter_dimension=0, tiled=True).astype(jnp.float32)
-
-
-def loss(y: jax.Array) -> jax.Array:
-  return jnp.sum(jnp.square(y.astype(jnp.float32))) / y.shape[0]
 
 
 def remat(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -363,20 +431,58 @@ def compile_mapped(model: Model, body: Callable[..., Any], *args: Any) -> Any:
 # --------------------------------------------------------------------------- variants
 
 
+Step = tuple[jax.Array, list[jax.Array], list[jax.Array]]
+
+
 @dataclasses.dataclass
 class Variant:
-  """A step that returns (loss, each layer's gradient shard, the input's gradient)."""
+  """A step that returns (loss, each layer's gradient shard, each microbatch's input
+  gradient), calling its executables through `call` (which counts the calls in `runs`:
+  clear it before a step to count that step's). `alive`: the most arrays of a layer's size
+  alive at once per device besides the residuals, by kind: "gathered" (bfloat16 weights;
+  None where XLA decides), "grad_sums" (float32 unreduced gradients summed over
+  microbatches)."""
 
   name: str
-  step: Callable[[], tuple[jax.Array, list[jax.Array], jax.Array]]
-  calls: int  # executable calls per step
+  step: Callable[[], Step]
   executables: dict[str, Any]
+  runs: collections.Counter[str]
+  alive: dict[str, int | None]
+
+  def call(self, executable: str, *args: Any) -> Any:
+    self.runs[executable] += 1
+    return self.executables[executable](*args)
 
 
-def loss_executable(model: Model) -> Any:
+def accumulated(total: Any, new: Any) -> Any:
+  """`total + new` leaf by leaf, `new` where there is no total yet (the first microbatch):
+  the sums in microbatch order, as the Llama example's accumulation."""
+  return new if total is None else jax.tree.map(jnp.add, total, new)
+
+
+def loss_executable(model: Model, summed: bool) -> Any:
+  """`(y, total) -> (total + the microbatch's loss, its cotangent)`; `summed` False: no total
+  (the first microbatch), None in its place."""
+  def value_and_ct(y: jax.Array, total: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    value, ct = jax.value_and_grad(model.loss)(y)
+    return accumulated(total, value), ct
+
   replicated = NamedSharding(model.mesh, P())
-  return jax.jit(jax.value_and_grad(loss), out_shardings=(replicated, model.sharding)
-                 ).lower(model.x_spec).compile()
+  total = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated) if summed else None
+  return jax.jit(value_and_ct, out_shardings=(replicated, model.sharding)).lower(
+      model.x_spec, total).compile()
+
+
+def loss_executables(model: Model) -> dict[str, Any]:
+  """"loss" for the first microbatch, "loss_acc" (adding to the earlier ones') for the rest."""
+  found = {"loss": loss_executable(model, summed=False)}
+  if model.size.microbatches > 1:
+    found["loss_acc"] = loss_executable(model, summed=True)
+  return found
+
+
+def loss_name(microbatch: int) -> str:
+  return "loss_acc" if microbatch else "loss"
 
 
 def regathering(model: Model) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
@@ -403,8 +509,10 @@ def regathering(model: Model) -> Callable[[jax.Array, jax.Array, jax.Array], jax
   return layer
 
 
-def whole(model: Model, shards: list[jax.Array], x: jax.Array, regather: bool) -> Variant:
-  """One executable for the step, the shards passed twice (`regathering`'s spare)."""
+def whole(model: Model, shards: list[jax.Array], xs: list[jax.Array], regather: bool
+          ) -> Variant:
+  """One executable for the step, the shards passed twice (`regathering`'s spare): each
+  microbatch's `jax.value_and_grad` in turn, summed (as the Llama example's step)."""
   def plain(shard: jax.Array, spare: jax.Array, x: jax.Array) -> jax.Array:
     return model.layer_from_shard(shard, x)
 
@@ -414,23 +522,36 @@ def whole(model: Model, shards: list[jax.Array], x: jax.Array, regather: bool) -
   def loss_of(shards: list[jax.Array], spares: list[jax.Array], x: jax.Array) -> jax.Array:
     for shard, spare in zip(shards, spares):
       x = mapped(shard, spare, x)
-    return loss(x)
+    return model.loss(x)
+
+  def step_of(shards: list[jax.Array], spares: list[jax.Array], xs: list[jax.Array]) -> Step:
+    total, dxs = None, []
+    for x in xs:
+      value, (grads, dx) = jax.value_and_grad(loss_of, argnums=(0, 2))(shards, spares, x)
+      total = accumulated(total, (value, grads))
+      dxs.append(dx)
+    return *total, dxs
 
   replicated = NamedSharding(model.mesh, P())
-  out = (replicated, ([model.sharding] * len(shards), model.sharding))
+  out = (replicated, [model.sharding] * len(shards), [model.sharding] * len(xs))
   specs = [model.shard_spec] * len(shards)
-  compiled = jax.jit(jax.value_and_grad(loss_of, argnums=(0, 2)), out_shardings=out).lower(
-      specs, specs, model.x_spec).compile()
+  compiled = jax.jit(step_of, out_shardings=out).lower(
+      specs, specs, [model.x_spec] * len(xs)).compile()
+  gathers = sum(v["count"] for k, v in collectives(compiled).items()
+                if k.split()[0] == "all-gather")
+  # one gather a layer a step: each gathered layer alive from the first microbatch's
+  # forward to the last one's backward, every layer's at the last turn
+  alive = {"gathered": len(shards) if gathers == len(shards) else None}
+  variant = Variant("whole-regather" if regather else "whole", lambda: variant.call(
+      "step", shards, shards, xs), {"step": compiled}, collections.Counter(), alive)
+  return variant
 
-  def step() -> tuple[jax.Array, list[jax.Array], jax.Array]:
-    value, (grads, dx) = compiled(shards, shards, x)
-    return value, grads, dx
 
-  return Variant("whole-regather" if regather else "whole", step, 1, {"step": compiled})
-
-
-def per_layer(model: Model, shards: list[jax.Array], x: jax.Array, group: int) -> Variant:
-  """Forward and backward executables of `group` consecutive layers, shared by all groups."""
+def per_layer(model: Model, shards: list[jax.Array], xs: list[jax.Array], group: int
+              ) -> Variant:
+  """Forward and backward executables of `group` consecutive layers, shared by all groups;
+  each microbatch's forward and backward in turn, the backward of microbatches 2.. adding
+  the gradients to the earlier ones' ("backward_acc")."""
   if len(shards) % group:
     raise ValueError(f"{len(shards)} layers do not split into groups of {group}")
   res = Residuals()
@@ -441,46 +562,58 @@ def per_layer(model: Model, shards: list[jax.Array], x: jax.Array, group: int) -
       h = remat(model.layer_from_shard)(shard, h)
     return h
 
-  def forward(*args: Any) -> tuple[jax.Array, list[jax.Array]]:
-    y, kept = res.split(chain, args)
+  def forward(group_shards: list[jax.Array], x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    y, kept = res.split(chain, (*group_shards, x))
     return y, stacked(kept)
 
-  def backward(*args: Any) -> tuple[jax.Array, list[jax.Array]]:
-    *primals, kept, ct = args
-    *grads, dx = res.pullback(primals, unstacked(kept), ct)
-    return dx, grads
+  def backward(group_shards: list[jax.Array], x: jax.Array, kept: list[jax.Array],
+               ct: jax.Array, totals: list[jax.Array] | None) -> Any:
+    *grads, dx = res.pullback((*group_shards, x), unstacked(kept), ct)
+    return dx, accumulated(totals, grads)
 
-  fwd = compile_mapped(model, forward, *[model.shard_spec] * group, model.x_spec)
-  bwd = compile_mapped(model, backward, *[model.shard_spec] * group, model.x_spec,
-                       res.specs(model), model.x_spec)
-  loss_grad = loss_executable(model)
-  groups = [shards[i:i + group] for i in range(0, len(shards), group)]
+  m, group_specs = model, [model.shard_spec] * group
+  exe = {"forward": compile_mapped(m, forward, group_specs, m.x_spec)}
+  exe["backward"] = compile_mapped(m, backward, group_specs, m.x_spec, res.specs(m), m.x_spec,
+                                   None)
+  if m.size.microbatches > 1:
+    exe["backward_acc"] = compile_mapped(m, backward, group_specs, m.x_spec, res.specs(m),
+                                         m.x_spec, group_specs)
+  exe |= loss_executables(m)
+  starts = range(0, len(shards), group)
 
-  def step() -> tuple[jax.Array, list[jax.Array], jax.Array]:
-    xs, kept = [x], []
-    for g in groups:
-      y, k = fwd(*g, xs[-1])
-      xs.append(y)
-      kept.append(k)
-    value, ct = loss_grad(xs.pop())
-    grads: list[jax.Array] = []
-    for g in reversed(groups):
-      ct, found = bwd(*g, xs.pop(), kept.pop(), ct)
-      grads = [*found, *grads]
-    return value, grads, ct
+  def step() -> Step:
+    value, grads, dxs = None, [None] * len(shards), []
+    for j, x in enumerate(xs):
+      acts, kept = [x], []
+      for i in starts:
+        y, k = variant.call("forward", shards[i:i + group], acts[-1])
+        acts.append(y)
+        kept.append(k)
+      value, ct = variant.call(loss_name(j), acts.pop(), value)
+      for i in reversed(starts):
+        ct, grads[i:i + group] = variant.call(
+            "backward_acc" if j else "backward", shards[i:i + group], acts.pop(), kept.pop(),
+            ct, grads[i:i + group] if j else None)
+      dxs.append(ct)
+    return value, grads, dxs
 
   name = "per-layer" if group == 1 else f"per-layer-{group}"
-  return Variant(name, step, 2 * len(groups) + 1,
-                 {"forward": fwd, "backward": bwd, "loss": loss_grad})
+  variant = Variant(name, step, exe, collections.Counter(), {"gathered": group})
+  return variant
 
 
-def prefetch(model: Model, shards: list[jax.Array], x: jax.Array, keep: bool) -> Variant:
+def prefetch(model: Model, shards: list[jax.Array], xs: list[jax.Array], name: str
+             ) -> Variant:
   """Each forward executable also runs the next layer's gather, each backward one the
-  previous backward's reduce-scatter and (unless `keep`) the next gather; with `keep` the
-  forward's gathered weights of every layer stay alive for the backward, which gathers
-  nothing. The module docstring has the ends."""
+  previous backward's reduce-scatter: `name` prefetch (the backward gathers the layer below
+  again), prefetch-keep (the forward's gathered weights kept for the backward), prefetch-step
+  (kept for the step's later microbatches too, whose forwards gather nothing) or
+  prefetch-step-sum (as prefetch-step, the unreduced gradients summed over the microbatches
+  and reduce-scattered in the last one's backward). The module docstring has the ends."""
   if len(shards) < 2:
     raise ValueError("prefetch needs 2 layers or more")
+  regather, for_step, summed = (name == "prefetch", name in STEP_VARIANTS,
+                                name == "prefetch-step-sum")
   res = Residuals()
   layer = remat(model.layer_from_gathered)
 
@@ -497,69 +630,137 @@ def prefetch(model: Model, shards: list[jax.Array], x: jax.Array, keep: bool) ->
 
   def backward(gathered: jax.Array, shard_below: jax.Array | None, x: jax.Array,
                kept: list[jax.Array], ct: jax.Array, full_above: jax.Array | None,
-               reduce_own: bool = False) -> Any:
-    """-> (ct_x, this layer's gradient: unreduced, or its shard with `reduce_own`, the layer
-    below gathered, the layer above's gradient shard); None for an argument: nothing to
-    gather (`keep`, or the bottom) or to reduce (the top), and None in its place out."""
+               total_above: jax.Array | None, sum_own: jax.Array | None,
+               total_own: jax.Array | None, own: str) -> Any:
+    """-> (ct_x, this layer's gradient, the layer below gathered, the layer above's gradient
+    shard). None for an argument: nothing to gather (not `regather`, or the bottom), to
+    reduce (the top), to add to; None in its place out. `own`: "hand" the gradient
+    unreduced in bfloat16 to the next call (which reduces it as `full_above`), "reduce" it
+    here (the bottom), or "sum" it unreduced in float32 for the next microbatch. `sum_own`:
+    the unreduced float32 sum of the earlier microbatches', added before (prefetch-step-sum;
+    its last microbatch hands or reduces the sum in bfloat16); `total_own`, `total_above`:
+    the reduced sums of the earlier microbatches', added after."""
     below = None if shard_below is None else gather(shard_below)[None]
-    grad_above = None if full_above is None else reduce(full_above[0])
+    grad_above = None if full_above is None else accumulated(total_above, reduce(full_above[0]))
     d_gathered, dx = res.pullback((gathered[0], x), unstacked(kept), ct)
-    return dx, reduce(d_gathered) if reduce_own else d_gathered[None], below, grad_above
+    if sum_own is not None or own == "sum":
+      d_gathered = accumulated(None if sum_own is None else sum_own[0],
+                               d_gathered.astype(jnp.float32))
+      if own != "sum":  # the step's sum, reduce-scattered in bfloat16 as each microbatch's is
+        d_gathered = d_gathered.astype(COMPUTE)
+    if own == "reduce":
+      return dx, accumulated(total_own, reduce(d_gathered)), below, grad_above
+    return dx, d_gathered[None], below, grad_above
 
   m, g = model, model.gathered_spec
+
+  def compile_backward(below: bool = False, above: bool = False, total_above: bool = False,
+                       sum_own: bool = False, total_own: bool = False, own: str = "hand"
+                       ) -> Any:
+    """`backward` compiled for the arguments named True (the others None)."""
+    def spec(given: bool, spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct | None:
+      return spec if given else None
+    return compile_mapped(
+        m, functools.partial(backward, own=own), g, spec(below, m.shard_spec), m.x_spec,
+        res.specs(m), m.x_spec, spec(above, g),
+        spec(total_above, m.shard_spec), spec(sum_own, m.full_sum_spec),
+        spec(total_own, m.shard_spec))
+
   exe = {"gather": compile_mapped(m, first_gather, m.shard_spec),
          "forward_prefetch": compile_mapped(m, forward_prefetch, g, m.shard_spec, m.x_spec),
-         "forward_top": compile_mapped(m, forward, g, m.x_spec)}
-  kept, below = res.specs(m), None if keep else m.shard_spec
-  middle = "backward_reduce" if keep else "backward_prefetch"
-  exe |= {"backward_top": compile_mapped(m, backward, g, below, m.x_spec, kept, m.x_spec, None),
-          middle: compile_mapped(m, backward, g, below, m.x_spec, kept, m.x_spec, g),
-          "backward_bottom": compile_mapped(m, functools.partial(backward, reduce_own=True),
-                                            g, None, m.x_spec, kept, m.x_spec, g),
-          "loss": loss_executable(m)}
+         # the top layer's, and with `for_step` every layer's in microbatches 2..
+         "forward" if for_step else "forward_top": compile_mapped(m, forward, g, m.x_spec)}
+  middle = "backward_prefetch" if regather else "backward_reduce"
+  if summed:
+    exe["backward_sum_first"] = compile_backward(own="sum")
+    if m.size.microbatches > 2:
+      exe["backward_sum"] = compile_backward(sum_own=True, own="sum")
+    exe |= {"backward_top": compile_backward(sum_own=True),
+            middle: compile_backward(above=True, sum_own=True),
+            "backward_bottom": compile_backward(above=True, sum_own=True, own="reduce")}
+  else:
+    exe |= {"backward_top": compile_backward(below=regather),
+            middle: compile_backward(below=regather, above=True),
+            "backward_bottom": compile_backward(above=True, own="reduce")}
+    if m.size.microbatches > 1:
+      exe |= {middle + "_acc": compile_backward(below=regather, above=True, total_above=True),
+              "backward_bottom_acc": compile_backward(above=True, total_above=True,
+                                                      total_own=True, own="reduce")}
+  exe |= loss_executables(m)
   n = len(shards)
 
-  def step() -> tuple[jax.Array, list[jax.Array], jax.Array]:
-    weights = [exe["gather"](shards[0])]  # gathered layers: all with `keep`, else the last
-    xs, kept = [x], []
-    for i in range(n - 1):
-      y, k, following = exe["forward_prefetch"](weights[-1], shards[i + 1], xs[-1])
-      xs.append(y)
-      kept.append(k)
-      if not keep:
-        weights.pop()
-      weights.append(following)
-    y, k = exe["forward_top"](weights[-1], xs[-1])  # the top's weights stay for its backward
-    xs.append(y)
-    kept.append(k)
-    value, ct = exe["loss"](xs.pop())
-    grads: list[Any] = [None] * n
+  def step() -> Step:
+    value, grads, dxs = None, [None] * n, []
+    sums: list[jax.Array | None] = [None] * n  # prefetch-step-sum's unreduced sums
+    # the gathered layers alive: with `regather` the last one, else every layer's from its
+    # forward (kept for its backward; with `for_step` for the step's later microbatches)
+    weights: list[jax.Array] = []
+    for j, x in enumerate(xs):
+      acts, kept = [x], []
+      if for_step and j:  # every layer's gathered weights kept from the first microbatch
+        for i in range(n):
+          y, k = variant.call("forward", weights[i], acts[-1])
+          acts.append(y)
+          kept.append(k)
+      else:
+        weights = [variant.call("gather", shards[0])]
+        for i in range(n - 1):
+          y, k, following = variant.call("forward_prefetch", weights[-1], shards[i + 1],
+                                         acts[-1])
+          acts.append(y)
+          kept.append(k)
+          if regather:
+            weights.pop()
+          weights.append(following)
+        # the top's weights stay for its backward
+        y, k = variant.call("forward" if for_step else "forward_top", weights[-1], acts[-1])
+        acts.append(y)
+        kept.append(k)
+      value, ct = variant.call(loss_name(j), acts.pop(), value)
 
-    def shard(i: int) -> jax.Array | None:  # the shard a backward gathers, if any
-      return None if keep else shards[i]
+      def backward_call(executable: str, i: int, gathered: jax.Array, ct: jax.Array,
+                        full_above: jax.Array | None = None,
+                        own: jax.Array | None = None) -> Any:
+        """Layer i's backward: the layer below's shard given with `regather`, the earlier
+        microbatches' sums of its and the above's gradients where there are some."""
+        below = shards[i - 1] if regather and i else None
+        above = None if full_above is None else grads[i + 1]
+        return variant.call(executable, gathered, below, acts.pop(), kept.pop(), ct,
+                            full_above, above, sums[i], own)
 
-    ct, full, gathered, _ = exe["backward_top"](weights.pop(), shard(n - 2), xs.pop(),
-                                                kept.pop(), ct, None)
-    for i in range(n - 2, 0, -1):  # layer i: reduce i + 1, gather i - 1 unless `keep`
-      ct, full, gathered, grads[i + 1] = exe[middle](
-          weights.pop() if keep else gathered, shard(i - 1), xs.pop(), kept.pop(), ct, full)
-    ct, grads[0], _, grads[1] = exe["backward_bottom"](
-        weights.pop() if keep else gathered, None, xs.pop(), kept.pop(), ct, full)
-    return value, grads, ct
+      if summed and j < len(xs) - 1:  # no reduce-scatter before the step's last microbatch
+        for i in reversed(range(n)):
+          ct, sums[i], _, _ = backward_call(
+              "backward_sum" if j else "backward_sum_first", i, weights[i], ct)
+      else:
+        def take(i: int) -> jax.Array:  # layer i's gathered weights: kept, or gathered again
+          return weights[i] if for_step else weights.pop()
 
-  return Variant("prefetch-keep" if keep else "prefetch", step, 2 * n + 2, exe)
+        acc = "_acc" if j and not summed else ""
+        ct, full, gathered, _ = backward_call("backward_top", n - 1, take(n - 1), ct)
+        for i in range(n - 2, 0, -1):  # layer i: reduce i + 1, gather i - 1 with `regather`
+          ct, full, gathered, grads[i + 1] = backward_call(
+              middle + acc, i, gathered if regather else take(i), ct, full)
+        ct, grads[0], _, grads[1] = backward_call(
+            "backward_bottom" + acc, 0, gathered if regather else take(0), ct, full, grads[0])
+      dxs.append(ct)
+    return value, grads, dxs
+
+  alive = {"gathered": 2 if regather else n} | ({"grad_sums": n} if summed else {})
+  variant = Variant(name, step, exe, collections.Counter(), alive)
+  return variant
 
 
-def build(name: str, model: Model, shards: list[jax.Array], x: jax.Array) -> Variant:
+def build(name: str, model: Model, shards: list[jax.Array], xs: list[jax.Array]) -> Variant:
   if name in ("whole", "whole-regather"):
-    return whole(model, shards, x, regather=name == "whole-regather")
+    return whole(model, shards, xs, regather=name == "whole-regather")
   if name == "per-layer":
-    return per_layer(model, shards, x, 1)
+    return per_layer(model, shards, xs, 1)
   if name == "per-layer-2":
-    return per_layer(model, shards, x, 2)
-  if name in ("prefetch", "prefetch-keep"):
-    return prefetch(model, shards, x, keep=name == "prefetch-keep")
-  raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+    return per_layer(model, shards, xs, 2)
+  if name in ("prefetch", "prefetch-keep", *STEP_VARIANTS):
+    return prefetch(model, shards, xs, name)
+  raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS + STEP_VARIANTS)}")
 
 
 # --------------------------------------------------------------------------- collectives
@@ -671,15 +872,16 @@ def _compare(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
 
 
 def compare(found: Any, reference: Any, tolerance: float) -> dict[str, Any]:
-  """Against the reference, over the loss, every layer's gradient and the input's: the max
-  abs difference, the largest relative difference of one array (the norm of the difference
-  over the reference's norm; the pass criterion, within `tolerance`) and which array it was,
-  and whether every bit is equal."""
-  value, grads, dx = found
-  ref_value, ref_grads, ref_dx = reference
-  names = ["loss", *(f"layer {i}" for i in range(len(grads))), "input"]
+  """Against the reference, over the loss, every layer's gradient and each microbatch's
+  input's: the max abs difference, the largest relative difference of one array (the norm
+  of the difference over the reference's norm; the pass criterion, within `tolerance`) and
+  which array it was, and whether every bit is equal."""
+  value, grads, dxs = found
+  ref_value, ref_grads, ref_dxs = reference
+  inputs = ["input"] if len(dxs) == 1 else [f"input {j}" for j in range(len(dxs))]
+  names = ["loss", *(f"layer {i}" for i in range(len(grads))), *inputs]
   worst_abs, worst_rel, worst, bitwise = 0.0, 0.0, "loss", True
-  for name, a, b in zip(names, [value, *grads, dx], [ref_value, *ref_grads, ref_dx]):
+  for name, a, b in zip(names, [value, *grads, *dxs], [ref_value, *ref_grads, *ref_dxs]):
     diff, rel, same = _compare(a, b)
     worst_abs = max(worst_abs, float(diff))
     if float(rel) > worst_rel:
@@ -716,8 +918,8 @@ def trace(variant: Variant, steps: int, folder: str) -> dict[str, Any]:
 
 
 def table(records: dict[str, dict[str, Any]]) -> str:
-  lines = [f"{'variant':<16} {'calls':>5} {'step ms':>10} {'spread':>7} {'/ whole':>8}  "
-           f"grads vs whole (max rel diff)"]
+  lines = [f"{'variant':<18} {'calls':>5} {'AG':>4} {'RS':>4} {'kept':>4} {'step ms':>10} "
+           f"{'spread':>7} {'/ whole':>8}  grads vs whole (max rel diff)"]
   for name, r in records.items():
     c = r["correct"]
     agreement = ("reference" if name == "whole" else
@@ -726,8 +928,13 @@ def table(records: dict[str, dict[str, Any]]) -> str:
     step = r.get("step_ms")
     timing = (f"{step['median']:>10.2f} {step['spread_pct']:>6.1f}% {r['vs_whole']:>8.3f}"
               if step else f"{'-':>10} {'-':>7} {'-':>8}")
-    lines.append(f"{name:<16} {r['calls']:>5} {timing}  {agreement}")
-  lines += ["", f"{'executable':<34} collectives: count (async; of those marked is_sync; "
+    per_step, kept = r["collectives_per_step"], r["peak_alive"]["gathered_layers"]
+    lines.append(f"{name:<18} {r['calls']:>5} {per_step.get('all-gather', 0):>4} "
+                 f"{per_step.get('reduce-scatter', 0):>4} {'-' if kept is None else kept:>4} "
+                 f"{timing}  {agreement}")
+  lines += ["calls, all-gathers (AG) and reduce-scatters (RS) a step; kept: the most gathered "
+            "layers alive at once (-: XLA's choice)",
+            "", f"{'executable':<40} collectives: count (async; of those marked is_sync; "
             "compute ops between each start and done)"]
   for name, r in records.items():
     for exe, found in r["collectives"].items():
@@ -735,15 +942,20 @@ def table(records: dict[str, dict[str, Any]]) -> str:
           f"{k} x{v['count']} (async {v['async']}"
           + (f"; sync {v['sync_marked']}; between {v['compute_between']}" if v["async"] else "")
           + ")" for k, v in sorted(found.items())) or "none"
-      lines.append(f"{name + ' ' + exe:<34} {text}")
+      lines.append(f"{name + ' ' + exe:<40} {text}")
   return "\n".join(lines)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+  parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS + STEP_VARIANTS,
+                      help=f"default: all ({', '.join(STEP_VARIANTS)} with --microbatches 2 "
+                           "or more only)")
   parser.add_argument("--layers", type=int, default=None)
-  parser.add_argument("--tokens", type=int, default=None, help="tokens per device")
+  parser.add_argument("--tokens", type=int, default=None, help="tokens per device a step")
+  parser.add_argument("--microbatches", type=int, default=1,
+                      help="a step's forward and backward passes, each over --tokens / M "
+                           "tokens per device, their gradients summed")
   parser.add_argument("--tiny", action="store_true",
                       help="CPU smoke run: width 64, 4 layers, 1 round of 1 step")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
@@ -762,8 +974,15 @@ def main() -> None:
   if args.tiny:
     args.rounds, args.steps, args.warmup = 1, 1, 1
   size = dataclasses.replace(size, layers=args.layers or size.layers,
-                             tokens=args.tokens or size.tokens)
-  names = ["whole", *(v for v in dict.fromkeys(args.variants) if v != "whole")]
+                             tokens=args.tokens or size.tokens, microbatches=args.microbatches)
+  if size.microbatches < 1 or size.tokens % size.microbatches:
+    parser.error(f"--microbatches {size.microbatches} does not split {size.tokens} tokens per "
+                 "device into equal microbatches: pick a divisor of --tokens")
+  offered = VARIANTS + (STEP_VARIANTS if size.microbatches > 1 else ())
+  if unknown := [v for v in args.variants or () if v not in offered]:
+    parser.error(f"{', '.join(unknown)} keep weights across microbatches: pass --microbatches 2 "
+                 "or more")
+  names = ["whole", *(v for v in dict.fromkeys(args.variants or offered) if v != "whole")]
   if "per-layer-2" in names and size.layers % 2:
     print(f"per-layer-2 skipped: {size.layers} layers is odd", flush=True)
     names.remove("per-layer-2")
@@ -775,7 +994,8 @@ def main() -> None:
               weights_per_layer=model.weights, padded_per_layer=model.padded,
               args=vars(args))
   print(json.dumps(dict(meta=meta)), flush=True)
-  shards, x = model.init(args.seed)
+  shards, xs = model.init(args.seed)
+  gathered_bytes = model.padded * jnp.dtype(COMPUTE).itemsize  # a layer's, per device
 
   begin = time.perf_counter()
   variants: dict[str, Variant] = {}
@@ -783,15 +1003,31 @@ def main() -> None:
   reference = None
   for name in names:
     start = time.perf_counter()
-    variant = variants[name] = build(name, model, shards, x)
+    variant = variants[name] = build(name, model, shards, xs)
     compiled_s = time.perf_counter() - start
+    variant.runs.clear()
     out = jax.block_until_ready(variant.step())
+    runs = dict(variant.runs)  # calls a step of each executable
     reference = reference or out
+    found = {exe: collectives(c) for exe, c in variant.executables.items()}
+    per_step = collections.Counter()
+    for exe, by_type in found.items():
+      for kind, entry in by_type.items():
+        per_step[kind.split()[0]] += runs.get(exe, 0) * entry["count"]
+    alive = variant.alive
     records[name] = {
-        "calls": variant.calls, "compile_s": round(compiled_s, 2),
+        "calls": sum(runs.values()), "compile_s": round(compiled_s, 2),
         "first_step_s": round(time.perf_counter() - start - compiled_s, 2),
         "correct": compare(out, reference, args.tolerance),
-        "collectives": {exe: collectives(c) for exe, c in variant.executables.items()}}
+        "runs": runs, "collectives_per_step": dict(sorted(per_step.items())),
+        "peak_alive": {
+            "gathered_layers": alive["gathered"], "gathered_bytes": (
+                None if alive["gathered"] is None else alive["gathered"] * gathered_bytes),
+            **({"grad_sum_layers": alive["grad_sums"],
+                "grad_sum_bytes": alive["grad_sums"] * model.padded
+                * model.full_sum_spec.dtype.itemsize}
+               if "grad_sums" in alive else {})},
+        "collectives": found}
     print(f"[{name}] built in {compiled_s:.1f} s; vs whole: {records[name]['correct']}",
           flush=True)
   correct = all(r["correct"]["ok"] for r in records.values())
