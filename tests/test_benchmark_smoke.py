@@ -494,6 +494,56 @@ def test_llama_fsdp_record_keeps_each_field_whole(monkeypatch):
 
 
 @pytest.mark.cpu_only
+def test_client_hang_runs_every_plain_case_under_each_client(run_script, tmp_path):
+  """benchmarks/probes/client_hang.py runs each plain-JAX case over 4 virtual devices in a
+  fresh process per client (the client variables are harmless on the CPU): every case ran,
+  computed numpy's numbers and has the collective it is named for; the child saw its
+  client's variable; donating changes no loss."""
+  client_hang = _module("probes.client_hang")
+  run = run_script("probes.client_hang", "--clients", "default", "tfrt", "--timeout", "40",
+                   "--collectives", "--out", str(tmp_path), devices=4)
+  found = json.loads((tmp_path / "client_hang.json").read_text())
+  rows = found["rows"]
+  assert [(row["case"], row["client"]) for row in rows] == [
+      (case, client) for case in client_hang.SYNTHETIC for client in ("default", "tfrt")]
+  for row in rows:
+    assert row["status"] == "ok" and row["result"]["correct"], row
+    assert row["result"]["devices"] == 4 and row["seconds"] > 0
+    assert row["result"]["environment"] == {
+        client_hang.TFRT_VARIABLE: "1" if row["client"] == "tfrt" else None,
+        client_hang.ASYNC_VARIABLE: None}
+    assert row["command"].startswith(
+        "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 python3 -m" if row["client"] == "tfrt"
+        else "python3 -m")
+  assert found["first_failure"] == {"default": None, "tfrt": None}
+  by_case = {row["case"]: row["result"] for row in rows if row["client"] == "default"}
+  for case in ("all-gather", "reduce-scatter", "all-reduce"):
+    assert list(by_case[case]["collectives"].values()) == [{case: 1}]
+  # the step's gradients: a reduce-scatter on GPUs, an all-reduce sliced on the CPU
+  assert by_case["fsdp-step-donated"]["collectives"]["step"]["all-gather"] == 2
+  assert by_case["fsdp-step-donated"]["losses"] == by_case["fsdp-step"]["losses"]
+  assert set(by_case["two-executables"]["collectives"]) == {"forward", "backward"}
+  assert "smallest case that fails" not in run.stdout and "every case ran" in run.stdout
+
+
+def test_client_hang_records_a_hang_and_a_crash(tmp_path):
+  """client_hang.py's child runner: a process past its timeout is killed and recorded as
+  `hang` at its last stage; one that dies of a signal as `crash` with the signal."""
+  client_hang = _module("probes.client_hang")
+  env = client_hang.client_environment("tfrt", {"PATH": os.environ.get("PATH", "")})
+  assert env[client_hang.TFRT_VARIABLE] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
+  hung = client_hang.run_child(
+      [sys.executable, "-c", "import time; print('stage: call 1', flush=True); time.sleep(60)"],
+      env, timeout=1)
+  assert hung["status"] == "hang" and hung["stage"] == "call 1" and hung["returncode"] is None
+  crashed = client_hang.run_child(
+      [sys.executable, "-c", "import os; print('{\"partial\": 1}', flush=True); os.abort()"],
+      env, timeout=30)
+  assert crashed["status"] == "crash" and crashed["signal"] == "SIGABRT"
+  assert crashed["result"] == {"partial": 1}
+
+
+@pytest.mark.cpu_only
 def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
   """benchmarks/probes/fsdp_prefetch.py builds a plain-JAX FSDP step on 4 virtual devices as
   one jit, per-layer executables and prefetching ones, checks every variant's gradients
