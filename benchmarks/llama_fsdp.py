@@ -38,9 +38,10 @@ functions and shardings), from the same params; then:
     thread did meanwhile), and kernel time by kind and for the heaviest kernels by name
     (where a step computes longer than the other, which kernels).
 
---clients runs each row under each of jax's GPU clients, a fresh process each: `default` (the
-StreamExecutor client, jax's default) and `tfrt` (the TFRT GPU client, a dispatch thread per
-device: `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1` in the row's environment); with --repeat K
+--clients runs each row under each of jax's GPU dispatch settings, a fresh process each:
+`default` (the GPU client launches on the caller's thread) and `tfrt`
+(`XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1` in the row's environment, which in jax 0.11 turns on
+async dispatch, a thread per device launching; XLA's TFRT client is gone); with --repeat K
 the rows run K times over, the clients' order reversed each time, so a row's clients
 alternate. Each row records the client it asked for.
 
@@ -51,7 +52,8 @@ and process layout, no value holding a space (`read_record` reads them back). A 
 processes failed is recorded as `row ... error=...`, its processes' output printed to
 stderr, and the script exits with status 1 after the other rows. With --row-timeout S a row
 still running after S seconds is killed and recorded so (`error=killed_after_S_s_...`): jax's
-TFRT client's whole step hung on 4 GPUs at its first step, and would hold up every row after.
+whole step under async dispatch hung on 4 GPUs at its first step, and would hold up every
+row after.
 """
 
 from __future__ import annotations
@@ -295,7 +297,8 @@ def row_argv(preset: str, n: int, flags: str, out: pathlib.Path, options: argpar
   return argv + (["--fsdp", str(n)] if n > 1 else [])
 
 
-# the environment variable the CUDA plugin reads when the backend starts: its GPU client
+# the environment variable the CUDA plugin reads when the backend starts (in jax 0.11: async
+# dispatch, a thread per device launching)
 CLIENTS = {"default": "0", "tfrt": "1"}
 CLIENT_VARIABLE = "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT"
 
@@ -534,7 +537,8 @@ def main() -> None:
                            "GPUs of its own; the record says how many ran together)")
   parser.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["default"],
                       help="run each row under each of jax's GPU clients, a fresh process "
-                           "each (tfrt: XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1)")
+                           "each (tfrt: XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1, async "
+                           "dispatch in jax 0.11)")
   parser.add_argument("--repeat", type=int, default=1,
                       help="run the rows this many times over, the clients' order reversed "
                            "each time")

@@ -512,6 +512,9 @@ def test_client_hang_runs_every_plain_case_under_each_client(run_script, tmp_pat
     assert row["result"]["environment"] == {
         client_hang.TFRT_VARIABLE: "1" if row["client"] == "tfrt" else None,
         client_hang.ASYNC_VARIABLE: None}
+    # the child's threads by name (Linux, where the CI runs): its own and the runtime's
+    threads = row["result"]["threads"]
+    assert sum(threads.values()) > 1 and all(isinstance(n, str) for n in threads), threads
     assert row["command"].startswith(
         "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1 python3 -m" if row["client"] == "tfrt"
         else "python3 -m")

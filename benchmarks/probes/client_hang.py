@@ -1,12 +1,15 @@
-"""The smallest sharded program that hangs or crashes under each of jax's GPU clients.
+"""The smallest sharded program that hangs or crashes under each of jax's GPU dispatch settings.
 
-jax 0.11's CUDA plugin picks its GPU client from the environment when the backend starts,
-process-wide: `default` (StreamExecutor; neither variable set), `tfrt` (the TFRT GPU client, a
-dispatch thread per device: `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`) or `async`
-(StreamExecutor's async dispatch: `PJRT_GPU_ENABLE_ASYNC_DISPATCH=1`). On 4 H200 the Llama
-example's graphed FSDP step trains under TFRT, its whole-step `jax.jit` hangs at its first
-step in the NCCL clique's rendezvous, and under async dispatch the example segfaults
-(docs/results/fsdp.md, "The Llama example under each client"). This probe takes that apart:
+jax 0.11's CUDA plugin reads its GPU client's settings from the environment when the backend
+starts, process-wide: `default` (neither variable set: the StreamExecutor client launches on
+the caller's thread), `tfrt` (`XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`) or `async`
+(`PJRT_GPU_ENABLE_ASYNC_DISPATCH=1`). XLA's TFRT GPU client is gone: by XLA's code at the
+commit jax 0.11.1 pins, both variables turn on the StreamExecutor client's async dispatch (a
+`py_xla_dispatch` thread per device), which each child's `threads` (its native threads by
+name) shows for the jax it runs. On 4 H200 the Llama example's graphed FSDP step trained with
+the first variable, its whole-step `jax.jit` hung at its first step in the NCCL clique's
+rendezvous, and with the second the example segfaulted (docs/results/fsdp.md, "The Llama
+example under each dispatch"). This probe takes that apart:
 plain-JAX cases from small to large over every visible device (a 1-D mesh "fsdp"), each run in
 a fresh process under each client in `--clients`, the first that fails being the program for
 a bug report:
@@ -313,6 +316,20 @@ def collectives_of(hlo: str) -> dict[str, int]:
   return found
 
 
+def native_threads() -> dict[str, int]:
+  """This process's threads by name (Linux: /proc/self/task/*/comm; {} elsewhere), numbered
+  suffixes dropped: the runtime's own threads say which dispatch it runs (the StreamExecutor
+  client's async dispatch has a `py_xla_dispatch` thread per device)."""
+  names: dict[str, int] = {}
+  for comm in pathlib.Path("/proc/self/task").glob("*/comm"):
+    try:
+      name = re.sub(r"[/_-]-?\d+$", "", comm.read_text().strip())
+    except OSError:  # the thread ended meanwhile
+      continue
+    names[name] = names.get(name, 0) + 1
+  return dict(sorted(names.items()))
+
+
 def run_case(case: str, steps: int, devices: int | None, collectives: bool) -> dict[str, Any]:
   """Runs one synthetic case over a mesh of the first `devices` devices (None: all) and
   returns what the child prints."""
@@ -333,7 +350,8 @@ def run_case(case: str, steps: int, devices: int | None, collectives: bool) -> d
   return {"case": case, "seconds": seconds, "backend_s": backend_s, **result,
           "devices": len(found), "platform": found[0].platform,
           "device_kind": found[0].device_kind, "jax": jax.__version__,
-          "environment": {v: os.environ.get(v) for v in (TFRT_VARIABLE, ASYNC_VARIABLE)}}
+          "environment": {v: os.environ.get(v) for v in (TFRT_VARIABLE, ASYNC_VARIABLE)},
+          "threads": native_threads()}
 
 
 # ----------------------------------------------------------------------------------------

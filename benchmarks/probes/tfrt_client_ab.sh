@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # jax's two GPU runtimes side by side on a machine of 4 GPUs: the StreamExecutor client
-# (jax's default, synchronous dispatch) and the TFRT GPU client (a dispatch thread per
-# device; `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`, read by the CUDA plugin when the backend
+# (jax's default, synchronous dispatch) and async dispatch (a dispatch thread per device;
+# `XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1`, named after XLA's TFRT client, which is gone:
+# in jax 0.11 the variable turns on the default client's async dispatch; read by the CUDA
+# plugin when the backend
 # starts). Alternated, each row twice: benchmarks/probes/host_per_call.py at 4 GPUs (FSDP
 # collectives) and at 1, then the Llama example `gpu --fsdp 4 --batch 64 --fuse 12` through
 # benchmarks/llama_fsdp.py (graphed and sharded whole step alternated), each client's run
