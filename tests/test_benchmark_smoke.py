@@ -590,6 +590,7 @@ def test_fsdp_prefetch_tiny_checks_and_times_each_variant(run_script, tmp_path):
   assert variants["prefetch"]["calls"] == variants["prefetch-keep"]["calls"] == 2 * layers + 2
 
 
+@pytest.mark.cpu_only
 def test_fsdp_prefetch_tiny_keeps_gathered_weights_across_microbatches(run_script, tmp_path):
   """fsdp_prefetch.py with 2 microbatches a step: the whole step gathers each layer once a
   step and reduce-scatters each microbatch's gradient; prefetch gathers again in every
