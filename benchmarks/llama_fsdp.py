@@ -281,7 +281,7 @@ def run_row(argv: list[str], options: argparse.Namespace) -> dict[str, Any]:
   result["tokens_per_step"] = preset.microbatches * preset.batch * preset.context
   device = jax.devices()[0]
   result["device_kind"] = getattr(device, "device_kind", device.platform)
-  # what the CUDA plugin was told (both clients report the same platform_version)
+  # what the CUDA plugin was told: the runtime reports the same `platform_version` either way
   result["client_variable"] = os.environ.get(CLIENT_VARIABLE)
   result["jaxgraph"] = jg.__file__  # which tree ran: a comparison of two trees says so
   return result
@@ -298,9 +298,9 @@ def row_argv(preset: str, n: int, flags: str, out: pathlib.Path, options: argpar
 
 
 # the environment variable the CUDA plugin reads when the backend starts (in jax 0.11: async
-# dispatch, a thread per device launching)
-CLIENTS = {"default": "0", "tfrt": "1"}
+# dispatch, a thread per device launching), and its value for each `--clients` name
 CLIENT_VARIABLE = "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT"
+CLIENTS = {"default": "0", "tfrt": "1"}
 
 
 def launch(preset: str, n: int, flags: str, processes: int, options: argparse.Namespace,
@@ -505,8 +505,8 @@ def read_record(text: str) -> tuple[dict[str, str], list[dict[str, str]]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-  out = [f"{'row':<22}{'procs':>6}{'client':>8}{'graphed tok/s':>15}{'whole tok/s':>13}{'ratio':>7}"
-         f"{'spread':>8}  trace graphed / whole: step, exposed NCCL (ms, GPU 0)"]
+  out = [f"{'row':<22}{'procs':>6}{'client':>8}{'graphed tok/s':>15}{'whole tok/s':>13}"
+         f"{'ratio':>7}{'spread':>8}  trace graphed / whole: step, exposed NCCL (ms, GPU 0)"]
   for row in rows:
     name = f"{row['preset']}:{row['n']} {row['flags']}".strip()
     if "error" in row:
@@ -519,8 +519,9 @@ def table(rows: list[dict[str, Any]]) -> str:
       trace = "  " + " / ".join(f"{row['trace'][k]['step_ms']:.1f}, "
                                 f"{first[k].get('nccl_exposed_ms', 0):.2f}"
                                 for k in ("graphed", "whole_step"))
-    out.append(f"{name:<22}{row['processes']:>6}{row['client']:>8}{g['median']:>15,.0f}{w['median']:>13,.0f}"
-               f"{g['median'] / w['median']:>7.3f}{_spread(row):>7.1f}%{trace}")
+    out.append(f"{name:<22}{row['processes']:>6}{row['client']:>8}{g['median']:>15,.0f}"
+               f"{w['median']:>13,.0f}{g['median'] / w['median']:>7.3f}{_spread(row):>7.1f}%"
+               f"{trace}")
   return "\n".join(out)
 
 
